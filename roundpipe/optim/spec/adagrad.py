@@ -1,0 +1,50 @@
+"""Adagrad: ``torch.optim.adagrad._single_tensor_adagrad`` (dense gradients).
+
+torch creates Adagrad's state in ``__init__``; init_state only covers parameters added later
+in a way that bypasses it, as torch's ``_init_group`` does.
+"""
+
+import torch
+
+from .core import OptimizerSpec, to_scalar, value, zero_step
+from .ir import add, addcdiv, addcmul, sqrt
+
+
+def init_state(group, p, state):
+    if len(state) == 0:
+        state["step"] = zero_step()
+        v = group["initial_accumulator_value"]
+        init_value = complex(v, v) if torch.is_complex(p) else v
+        state["sum"] = torch.full_like(p, init_value, memory_format=torch.preserve_format)
+
+
+def options(group):
+    return {"maximize": group["maximize"], "weight_decay": group["weight_decay"] != 0}
+
+
+def scalars(group, p, state):
+    lr = to_scalar(group["lr"])
+    step_t = state["step"]
+    step_t += 1
+    step = value(step_t)
+    clr = lr / (1 + (step - 1) * group["lr_decay"])
+    return {"weight_decay": group["weight_decay"], "eps": group["eps"], "neg_clr": -clr}
+
+
+def inputs(o):
+    return ["param", "grad", "sum"]
+
+
+def program(o, b):
+    s = b.s
+    param, grad, state_sum = b.tensor("param"), b.tensor("grad"), b.tensor("sum")
+    if o.maximize:
+        grad = b.let("grad", -grad)
+    if o.weight_decay:
+        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    b.assign(state_sum, addcmul(state_sum, grad, grad, value=1))
+    std = b.let("std", sqrt(state_sum) + s.eps)
+    b.assign(param, addcdiv(param, grad, std, value=s.neg_clr))
+
+
+ADAGRAD = OptimizerSpec("Adagrad", torch.optim.Adagrad, init_state, options, inputs, scalars, program)

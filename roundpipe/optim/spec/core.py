@@ -1,0 +1,92 @@
+"""What an optimizer spec is: the one place an optimizer's math lives.
+
+Each optimizer module in this package (``adam.py``, ``sgd.py`` ...) defines one
+:class:`OptimizerSpec` that mirrors torch's ``_single_tensor_<name>`` function:
+
+``init_state(group, p, state)``
+    creates missing state entries exactly as torch's ``_init_group`` does (same keys, dtypes
+    and initial values), so that ``state_dict()`` is interchangeable with ``torch.optim``.
+    It may return a dict of flags for this step (SGD: ``first``, the step that creates the
+    momentum buffer).
+``options(group)``
+    the options fixed for a param group that select which statements exist
+    (``amsgrad``, ``maximize``, ``weight_decay != 0`` ...), as a dict of hashable values.
+``inputs(o)``
+    the tensors the program binds for options ``o``: ``param``, ``grad`` and state entries.
+    They are checked (present, shape, dtype, layout) before anything is modified.
+``scalars(group, p, state)``
+    the per-parameter Python part of a step, written as torch writes it: advances the 0-d
+    state tensors (``step += 1``, ASGD's ``eta``/``mu``, NAdam's ``mu_product``) and returns the
+    per-step scalars in Python double precision (bias corrections, step sizes). Entries whose
+    value is a ``bool`` are *flags*: they join the options to select the program for this step
+    (SGD's first momentum step, RAdam's rectification, ASGD's ``mu == 1``).
+``program(o, b)``
+    adds the elementwise statements for options ``o`` (attribute access; static options and
+    this step's flags) to ``b``, a :class:`~roundpipe.optim.spec.ir.ProgramBuilder` over
+    ``inputs(o)``. Programs are built once per options and cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.optimizer import _get_scalar_dtype, _get_value, _to_scalar
+
+from .ir import Program, ProgramBuilder
+
+__all__ = ["OptimizerSpec", "Options", "zero_step", "zeros_like", "value", "to_scalar"]
+
+
+class Options(dict):
+    """Options with attribute access: ``o.amsgrad``. A missing option is an AttributeError."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no option {name!r}; options are {sorted(self)}") from None
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    torch_class: type
+    init_state: Callable
+    options: Callable
+    inputs: Callable
+    scalars: Callable
+    build: Callable
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def program(self, options: dict) -> Program:
+        key = tuple(sorted(options.items()))
+        prog = self._cache.get(key)
+        if prog is None:
+            with self._lock:
+                prog = self._cache.get(key)
+                if prog is None:
+                    o = Options(dict(options))
+                    b = ProgramBuilder(self.inputs(o))
+                    self.build(o, b)
+                    prog = b.build()
+                    self._cache[key] = prog
+        return prog
+
+
+# Helpers shared by the specs' state initialisers and scalar functions: the same calls torch
+# makes, imported from torch itself where torch has them.
+def zero_step() -> torch.Tensor:
+    """The ``step`` entry torch creates: a 0-d tensor of the scalar dtype (float32)."""
+    return torch.tensor(0.0, dtype=_get_scalar_dtype())
+
+
+def zeros_like(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+value = _get_value
+to_scalar = _to_scalar

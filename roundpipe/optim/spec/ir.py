@@ -1,0 +1,392 @@
+"""The little language the optimizer specs are written in.
+
+An optimizer step is a *program*: an ordered list of elementwise statements over the
+parameter, its gradient and its state tensors. Two kinds of statement exist:
+
+* ``let``    names a temporary (``grad = grad + weight_decay * param``). torch never mutates
+  ``p.grad``, so this is a temporary, not a write.
+* ``assign`` writes a tensor (a state entry or the parameter) in place. Later statements see
+  the new value.
+
+Expressions are trees of :class:`Expr` nodes. Arithmetic uses Python operators, and a few
+named functions mirror the torch ops the torch source uses (``addcmul``, ``addcdiv``,
+``lerp``, ``maximum`` ...), so that a spec reads like ``torch/optim/*.py`` and the rounding
+order of every float32 operation is the one torch uses. Per-step scalars (bias corrections,
+step sizes) are *not* computed here: they are named :class:`Scalar` leaves whose values the
+spec's ``scalars`` function computes in Python double precision, exactly as torch does.
+
+Backends are interpreters or compilers of this IR: ``backends/reference.py`` runs it with torch
+ops, ``backends/fast.py`` compiles it to numexpr. A program is validated when it is built, so
+a typo in a spec fails the test suite, not a user's run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Expr",
+    "Tensor",
+    "Scalar",
+    "Const",
+    "Bin",
+    "Call",
+    "Let",
+    "Assign",
+    "Program",
+    "ProgramBuilder",
+    "add",
+    "addcmul",
+    "addcdiv",
+    "lerp",
+    "maximum",
+    "sqrt",
+    "abs_",
+    "sign",
+    "where",
+    "clamp",
+    "FUNCTIONS",
+]
+
+
+class Expr:
+    """Base class of expression nodes. Operators build new nodes."""
+
+    __slots__ = ()
+
+    def __add__(self, other):
+        return Bin("+", self, _wrap(other))
+
+    def __radd__(self, other):
+        return Bin("+", _wrap(other), self)
+
+    def __sub__(self, other):
+        return Bin("-", self, _wrap(other))
+
+    def __rsub__(self, other):
+        return Bin("-", _wrap(other), self)
+
+    def __mul__(self, other):
+        return Bin("*", self, _wrap(other))
+
+    def __rmul__(self, other):
+        return Bin("*", _wrap(other), self)
+
+    def __truediv__(self, other):
+        return Bin("/", self, _wrap(other))
+
+    def __rtruediv__(self, other):
+        return Bin("/", _wrap(other), self)
+
+    def __neg__(self):
+        return Call("neg", (self,))
+
+    # Comparisons build boolean expressions, usable only as the condition of ``where``.
+    def __gt__(self, other):
+        return Bin(">", self, _wrap(other))
+
+    def __lt__(self, other):
+        return Bin("<", self, _wrap(other))
+
+    def __ge__(self, other):
+        return Bin(">=", self, _wrap(other))
+
+    def __le__(self, other):
+        return Bin("<=", self, _wrap(other))
+
+    def is_tensor(self) -> bool:
+        """True when the value is elementwise (depends on at least one tensor)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=True)
+class Tensor(Expr):
+    """A tensor: ``param``, ``grad``, a state entry, or a ``let`` temporary."""
+
+    name: str
+
+    def is_tensor(self):
+        return True
+
+
+@dataclass(frozen=True, eq=True)
+class Scalar(Expr):
+    """A per-step scalar computed by the spec's ``scalars`` function (a float32 in the op)."""
+
+    name: str
+
+    def is_tensor(self):
+        return False
+
+
+@dataclass(frozen=True, eq=True)
+class Const(Expr):
+    """A literal number, applied as a float32 like a Python number in a torch op."""
+
+    value: float
+
+    def is_tensor(self):
+        return False
+
+
+BINARY_OPS = ("+", "-", "*", "/", ">", "<", ">=", "<=")
+COMPARISONS = (">", "<", ">=", "<=")
+
+
+@dataclass(frozen=True, eq=True)
+class Bin(Expr):
+    op: str
+    a: Expr
+    b: Expr
+
+    def is_tensor(self):
+        return self.a.is_tensor() or self.b.is_tensor()
+
+
+# name -> number of arguments. Each mirrors the torch op of the same name on float32 tensors;
+# the positions of scalar-only arguments are listed in SCALAR_ARGS.
+FUNCTIONS = {
+    "neg": 1,  # -x
+    "sqrt": 1,  # torch.sqrt
+    "abs": 1,  # torch.abs
+    "sign": 1,  # torch.sign: NaN -> 0
+    "maximum": 2,  # torch.maximum: NaN propagates from either side
+    "where": 3,  # torch.where(cond, a, b)
+    "clamp": 3,  # torch.clamp(x, lo, hi), lo and hi scalars
+    "add": 3,  # torch.add(a, b, alpha=s) = a + s*b
+    "addcmul": 4,  # torch.addcmul(a, b, c, value=s) = a + s*b*c
+    "addcdiv": 4,  # torch.addcdiv(a, b, c, value=s) = a + s*b/c
+    "lerp": 3,  # torch.lerp(a, b, w), w a scalar: torch's two-branch formula
+}
+SCALAR_ARGS = {"clamp": (1, 2), "add": (2,), "addcmul": (3,), "addcdiv": (3,), "lerp": (2,)}
+
+
+@dataclass(frozen=True, eq=True)
+class Call(Expr):
+    fn: str
+    args: tuple
+
+    def is_tensor(self):
+        return any(a.is_tensor() for a in self.args)
+
+
+def _wrap(x) -> Expr:
+    if isinstance(x, Expr):
+        return x
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return Const(float(x))
+    raise TypeError(f"cannot use {x!r} ({type(x).__name__}) in an optimizer program")
+
+
+def add(a, b, alpha) -> Expr:
+    """``torch.add(a, b, alpha=alpha)``: ``a + alpha * b``."""
+    return Call("add", (_wrap(a), _wrap(b), _wrap(alpha)))
+
+
+def addcmul(a, b, c, value) -> Expr:
+    """``torch.addcmul(a, b, c, value=value)``: ``a + (value * b) * c``."""
+    return Call("addcmul", (_wrap(a), _wrap(b), _wrap(c), _wrap(value)))
+
+
+def addcdiv(a, b, c, value) -> Expr:
+    """``torch.addcdiv(a, b, c, value=value)``: ``a + (value * b) / c``."""
+    return Call("addcdiv", (_wrap(a), _wrap(b), _wrap(c), _wrap(value)))
+
+
+def lerp(a, b, weight) -> Expr:
+    """``torch.lerp(a, b, weight)`` with a scalar weight."""
+    return Call("lerp", (_wrap(a), _wrap(b), _wrap(weight)))
+
+
+def maximum(a, b) -> Expr:
+    """``torch.maximum(a, b)``: NaN in either argument gives NaN."""
+    return Call("maximum", (_wrap(a), _wrap(b)))
+
+
+def sqrt(x) -> Expr:
+    return Call("sqrt", (_wrap(x),))
+
+
+def abs_(x) -> Expr:
+    return Call("abs", (_wrap(x),))
+
+
+def sign(x) -> Expr:
+    """``torch.sign(x)``: -1, 0 or 1; NaN gives 0 (as torch's CPU kernel does)."""
+    return Call("sign", (_wrap(x),))
+
+
+def where(cond, a, b) -> Expr:
+    return Call("where", (_wrap(cond), _wrap(a), _wrap(b)))
+
+
+def clamp(x, lo, hi) -> Expr:
+    """``torch.clamp(x, lo, hi)`` with scalar bounds; NaN propagates."""
+    return Call("clamp", (_wrap(x), _wrap(lo), _wrap(hi)))
+
+
+@dataclass(frozen=True)
+class Let:
+    name: str
+    expr: Expr
+
+
+@dataclass(frozen=True)
+class Assign:
+    target: str
+    expr: Expr
+
+
+Statement = Let | Assign
+
+
+def walk(expr: Expr):
+    """Yield every node of an expression tree, parents before children."""
+    yield expr
+    if isinstance(expr, Bin):
+        yield from walk(expr.a)
+        yield from walk(expr.b)
+    elif isinstance(expr, Call):
+        for a in expr.args:
+            yield from walk(a)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A validated, ordered list of statements.
+
+    ``tensors`` are the names bound from outside (``param``, ``grad``, state entries), in a
+    stable order; ``scalars`` the scalar names the ``scalars`` function must provide;
+    ``targets`` the tensors the program writes.
+    """
+
+    statements: tuple
+    tensors: tuple
+    scalars: tuple
+    targets: tuple
+
+    def __str__(self):
+        lines = []
+        for st in self.statements:
+            kw = "let" if isinstance(st, Let) else "   "
+            name = st.name if isinstance(st, Let) else st.target
+            lines.append(f"{kw} {name} = {format_expr(st.expr)}")
+        return "\n".join(lines)
+
+
+def format_expr(e: Expr) -> str:
+    if isinstance(e, Tensor):
+        return e.name
+    if isinstance(e, Scalar):
+        return "$" + e.name
+    if isinstance(e, Const):
+        return repr(e.value)
+    if isinstance(e, Bin):
+        return f"({format_expr(e.a)} {e.op} {format_expr(e.b)})"
+    return f"{e.fn}(" + ", ".join(format_expr(a) for a in e.args) + ")"
+
+
+class _ScalarNamespace:
+    """``b.s.beta2`` is ``Scalar('beta2')``."""
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return Scalar(name)
+
+
+class ProgramBuilder:
+    """Collects statements; ``build()`` validates them into a :class:`Program`.
+
+    ``inputs`` are the tensor names the program may read and write: ``param``, ``grad`` and
+    the state entries the optimizer keeps. ``grad`` is read-only (torch never writes p.grad).
+    """
+
+    def __init__(self, inputs):
+        self.inputs = tuple(inputs)
+        self.statements: list = []
+        self.s = _ScalarNamespace()
+        self._lets: dict[str, int] = {}
+
+    def tensor(self, name: str) -> Tensor:
+        if name not in self.inputs:
+            raise KeyError(f"{name!r} is not an input of this program: {self.inputs}")
+        return Tensor(name)
+
+    def let(self, name: str, expr) -> Tensor:
+        """Name a temporary; re-using a name shadows the earlier one (like ``grad = ...``)."""
+        n = self._lets.get(name, 0)
+        self._lets[name] = n + 1
+        unique = f"{name}_{n}" if n else name
+        if unique in self.inputs:
+            unique = f"{name}_t{n}"
+        self.statements.append(Let(unique, _wrap(expr)))
+        return Tensor(unique)
+
+    def assign(self, target: Tensor, expr) -> Tensor:
+        self.statements.append(Assign(target.name, _wrap(expr)))
+        return target
+
+    def build(self) -> Program:
+        return validate(self.statements, self.inputs)
+
+
+def validate(statements, inputs) -> Program:
+    """Check a statement list and derive the program's interface."""
+    inputs = tuple(inputs)
+    defined = set(inputs)
+    lets: set[str] = set()
+    used_tensors: list[str] = []
+    scalars: list[str] = []
+    targets: list[str] = []
+    for st in statements:
+        expr = st.expr
+        if not expr.is_tensor():
+            raise ValueError(f"statement {st} computes a scalar: do scalar math in scalars()")
+        for node in walk(expr):
+            if isinstance(node, Tensor):
+                if node.name not in defined:
+                    raise NameError(f"{node.name!r} used before it is defined in {st}")
+                if node.name in inputs and node.name not in used_tensors:
+                    used_tensors.append(node.name)
+            elif isinstance(node, Scalar):
+                if node.name not in scalars:
+                    scalars.append(node.name)
+            elif isinstance(node, Bin):
+                if node.op not in BINARY_OPS:
+                    raise ValueError(f"unknown operator {node.op!r}")
+                if not (node.a.is_tensor() or node.b.is_tensor()):
+                    raise ValueError(
+                        f"scalar-only subexpression {format_expr(node)} in {st}: "
+                        "compute it in scalars() in double precision, as torch does"
+                    )
+            elif isinstance(node, Call):
+                if FUNCTIONS.get(node.fn) != len(node.args):
+                    raise ValueError(f"unknown function or wrong arity: {node.fn}")
+                for i in SCALAR_ARGS.get(node.fn, ()):
+                    if node.args[i].is_tensor():
+                        raise ValueError(f"argument {i} of {node.fn} must be a scalar in {st}")
+                if node.fn == "lerp" and not isinstance(node.args[2], Scalar):
+                    raise ValueError(f"lerp's weight must be a named scalar in {st}")
+                if node.fn == "where" and not (
+                    isinstance(node.args[0], Bin) and node.args[0].op in COMPARISONS
+                ):
+                    raise ValueError(f"where() needs a comparison as its condition in {st}")
+            elif not isinstance(node, Const):
+                raise TypeError(f"unknown node {node!r}")
+        if isinstance(st, Let):
+            if st.name in defined:
+                raise ValueError(f"let {st.name!r} redefines a name")
+            defined.add(st.name)
+            lets.add(st.name)
+        elif isinstance(st, Assign):
+            if st.target not in inputs or st.target == "grad":
+                raise ValueError(f"cannot assign to {st.target!r}: not a writable input")
+            if st.target not in used_tensors:
+                used_tensors.append(st.target)
+            if st.target not in targets:
+                targets.append(st.target)
+        else:
+            raise TypeError(f"unknown statement {st!r}")
+    order = [n for n in inputs if n in used_tensors]
+    return Program(tuple(statements), tuple(order), tuple(scalars), tuple(targets))

@@ -1,0 +1,67 @@
+"""SGD: ``torch.optim.sgd._single_tensor_sgd``.
+
+torch keeps no state without momentum, and creates ``momentum_buffer`` on the first step as a
+copy of the (decayed) gradient: init_state creates it and returns the ``first`` flag, which
+selects that program for the step.
+"""
+
+import torch
+
+from .core import OptimizerSpec, to_scalar, zeros_like
+from .ir import add
+
+
+def init_state(group, p, state):
+    if group["momentum"] != 0 and state.get("momentum_buffer") is None:
+        # torch creates the buffer on the first step as grad.detach().clone(): the flag
+        # returned here selects that program for this step.
+        state["momentum_buffer"] = zeros_like(p)
+        return {"first": True}
+    return {"first": False}
+
+
+def options(group):
+    return {
+        "maximize": group["maximize"],
+        "weight_decay": group["weight_decay"] != 0,
+        "momentum": group["momentum"] != 0,
+        "nesterov": group["nesterov"],
+    }
+
+
+def scalars(group, p, state):
+    lr = to_scalar(group["lr"])
+    momentum = group["momentum"]
+    return {
+        "weight_decay": group["weight_decay"],
+        "momentum": momentum,
+        "one_minus_dampening": 1 - group["dampening"],
+        "neg_lr": -lr,
+    }
+
+
+def inputs(o):
+    return ["param", "grad"] + (["momentum_buffer"] if o.momentum else [])
+
+
+def program(o, b):
+    s = b.s
+    param, grad = b.tensor("param"), b.tensor("grad")
+    if o.maximize:
+        grad = b.let("grad", -grad)
+    if o.weight_decay:
+        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    if o.momentum:
+        buf = b.tensor("momentum_buffer")
+        if o.first:
+            b.assign(buf, grad)
+        else:
+            b.assign(buf, add(buf * s.momentum, grad, alpha=s.one_minus_dampening))
+        if o.nesterov:
+            grad = b.let("grad", add(grad, buf, alpha=s.momentum))
+        else:
+            grad = buf
+    b.assign(param, add(param, grad, alpha=s.neg_lr))
+
+
+SGD = OptimizerSpec("SGD", torch.optim.SGD, init_state, options, inputs, scalars, program)

@@ -17,7 +17,32 @@ import torch
 from .optimizer import RoundpipeOptimizer
 from .spec import SPECS
 
-__all__ = ["Adagrad", "Adam", "AdamW", "SGD", "RoundpipeOptimizer"]
+__all__ = [
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "Adamax",
+    "AdamW",
+    "ASGD",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "SGD",
+    "RoundpipeOptimizer",
+]
+
+
+class Adadelta(RoundpipeOptimizer, torch.optim.Adadelta):
+    """``torch.optim.Adadelta`` on roundpipe's CPU backends; see :class:`torch.optim.Adadelta`."""
+
+    spec = SPECS["Adadelta"]
+
+
+class Adagrad(RoundpipeOptimizer, torch.optim.Adagrad):
+    """``torch.optim.Adagrad`` on roundpipe's CPU backends; see :class:`torch.optim.Adagrad`."""
+
+    spec = SPECS["Adagrad"]
 
 
 class Adam(RoundpipeOptimizer, torch.optim.Adam):
@@ -26,16 +51,46 @@ class Adam(RoundpipeOptimizer, torch.optim.Adam):
     spec = SPECS["Adam"]
 
 
+class Adamax(RoundpipeOptimizer, torch.optim.Adamax):
+    """``torch.optim.Adamax`` on roundpipe's CPU backends; see :class:`torch.optim.Adamax`."""
+
+    spec = SPECS["Adamax"]
+
+
 class AdamW(RoundpipeOptimizer, torch.optim.AdamW):
     """``torch.optim.AdamW`` on roundpipe's CPU backends; see :class:`torch.optim.AdamW`."""
 
     spec = SPECS["AdamW"]
 
 
-class Adagrad(RoundpipeOptimizer, torch.optim.Adagrad):
-    """``torch.optim.Adagrad`` on roundpipe's CPU backends; see :class:`torch.optim.Adagrad`."""
+class ASGD(RoundpipeOptimizer, torch.optim.ASGD):
+    """``torch.optim.ASGD`` on roundpipe's CPU backends; see :class:`torch.optim.ASGD`."""
 
-    spec = SPECS["Adagrad"]
+    spec = SPECS["ASGD"]
+
+
+class NAdam(RoundpipeOptimizer, torch.optim.NAdam):
+    """``torch.optim.NAdam`` on roundpipe's CPU backends; see :class:`torch.optim.NAdam`."""
+
+    spec = SPECS["NAdam"]
+
+
+class RAdam(RoundpipeOptimizer, torch.optim.RAdam):
+    """``torch.optim.RAdam`` on roundpipe's CPU backends; see :class:`torch.optim.RAdam`."""
+
+    spec = SPECS["RAdam"]
+
+
+class RMSprop(RoundpipeOptimizer, torch.optim.RMSprop):
+    """``torch.optim.RMSprop`` on roundpipe's CPU backends; see :class:`torch.optim.RMSprop`."""
+
+    spec = SPECS["RMSprop"]
+
+
+class Rprop(RoundpipeOptimizer, torch.optim.Rprop):
+    """``torch.optim.Rprop`` on roundpipe's CPU backends; see :class:`torch.optim.Rprop`."""
+
+    spec = SPECS["Rprop"]
 
 
 class SGD(RoundpipeOptimizer, torch.optim.SGD):

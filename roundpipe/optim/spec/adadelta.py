@@ -1,0 +1,52 @@
+"""Adadelta: ``torch.optim.adadelta._single_tensor_adadelta``."""
+
+import torch
+
+from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
+from .ir import add, addcmul, sqrt
+
+
+def init_state(group, p, state):
+    if len(state) == 0:
+        state["step"] = zero_step()
+        state["square_avg"] = zeros_like(p)
+        state["acc_delta"] = zeros_like(p)
+
+
+def options(group):
+    return {"maximize": group["maximize"], "weight_decay": group["weight_decay"] != 0}
+
+
+def inputs(o):
+    return ["param", "grad", "square_avg", "acc_delta"]
+
+
+def scalars(group, p, state):
+    lr = to_scalar(group["lr"])
+    rho = group["rho"]
+    state["step"] += 1
+    return {
+        "weight_decay": group["weight_decay"],
+        "rho": rho,
+        "one_minus_rho": 1 - rho,
+        "eps": group["eps"],
+        "neg_lr": -lr,
+    }
+
+
+def program(o, b):
+    s = b.s
+    param, grad = b.tensor("param"), b.tensor("grad")
+    square_avg, acc_delta = b.tensor("square_avg"), b.tensor("acc_delta")
+    if o.maximize:
+        grad = b.let("grad", -grad)
+    if o.weight_decay:
+        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    b.assign(square_avg, addcmul(square_avg * s.rho, grad, grad, value=s.one_minus_rho))
+    std = b.let("std", sqrt(square_avg + s.eps))
+    delta = b.let("delta", sqrt(acc_delta + s.eps) / std * grad)
+    b.assign(acc_delta, addcmul(acc_delta * s.rho, delta, delta, value=s.one_minus_rho))
+    b.assign(param, add(param, delta, alpha=s.neg_lr))
+
+
+ADADELTA = OptimizerSpec("Adadelta", torch.optim.Adadelta, init_state, options, inputs, scalars, program)

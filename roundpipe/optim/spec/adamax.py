@@ -1,0 +1,57 @@
+"""Adamax: ``torch.optim.adamax._single_tensor_adamax`` (not differentiable, not capturable).
+
+The running infinity norm is ``torch.maximum(exp_inf * beta2, |grad| + eps)``, so NaN
+propagates from either side as in torch.
+"""
+
+import torch
+
+from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
+from .ir import abs_, add, addcdiv, lerp, maximum
+
+
+def init_state(group, p, state):
+    if len(state) == 0:
+        state["step"] = zero_step()
+        state["exp_avg"] = zeros_like(p)
+        state["exp_inf"] = zeros_like(p)
+
+
+def options(group):
+    return {"maximize": group["maximize"], "weight_decay": group["weight_decay"] != 0}
+
+
+def inputs(o):
+    return ["param", "grad", "exp_avg", "exp_inf"]
+
+
+def scalars(group, p, state):
+    lr = to_scalar(group["lr"])
+    beta1, beta2 = group["betas"]
+    step_t = state["step"]
+    step_t += 1
+    bias_correction = 1 - beta1 ** value(step_t)
+    clr = lr / bias_correction
+    return {
+        "weight_decay": group["weight_decay"],
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "eps": group["eps"],
+        "neg_clr": -clr,
+    }
+
+
+def program(o, b):
+    s = b.s
+    param, grad = b.tensor("param"), b.tensor("grad")
+    exp_avg, exp_inf = b.tensor("exp_avg"), b.tensor("exp_inf")
+    if o.maximize:
+        grad = b.let("grad", -grad)
+    if o.weight_decay:
+        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    b.assign(exp_avg, lerp(exp_avg, grad, s.one_minus_beta1))
+    b.assign(exp_inf, maximum(exp_inf * s.beta2, abs_(grad) + s.eps))
+    b.assign(param, addcdiv(param, exp_avg, exp_inf, value=s.neg_clr))
+
+
+ADAMAX = OptimizerSpec("Adamax", torch.optim.Adamax, init_state, options, inputs, scalars, program)

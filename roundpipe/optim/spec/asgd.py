@@ -1,0 +1,67 @@
+"""ASGD: ``torch.optim.asgd._single_tensor_asgd`` (capturable=False branch).
+
+``eta`` and ``mu`` are per-parameter 0-d state tensors: the step reads them (as float32
+values), then writes the next step's values, as torch does. ``average`` (``mu != 1``) selects
+between averaging into ``ax`` and copying the parameter.
+"""
+
+import torch
+from torch.optim.optimizer import _get_scalar_dtype
+
+from .core import OptimizerSpec, to_scalar, value, zeros_like
+from .ir import add
+
+
+def init_state(group, p, state):
+    if len(state) == 0:
+        state["step"] = torch.zeros((), dtype=_get_scalar_dtype())
+        state["eta"] = torch.as_tensor(to_scalar(group["lr"]), dtype=_get_scalar_dtype()).clone().detach()
+        state["mu"] = torch.ones((), dtype=_get_scalar_dtype())
+        state["ax"] = zeros_like(p)
+
+
+def options(group):
+    return {"maximize": group["maximize"], "weight_decay": group["weight_decay"] != 0}
+
+
+def inputs(o):
+    return ["param", "grad", "ax"]
+
+
+def scalars(group, p, state):
+    lr = to_scalar(group["lr"])
+    lambd, alpha, t0 = group["lambd"], group["alpha"], group["t0"]
+    step_t, eta, mu = state["step"], state["eta"], state["mu"]
+    step_t += 1
+    eta_value = value(eta)
+    mu_value = mu.item()
+    out = {
+        "average": mu_value != 1,
+        "weight_decay": group["weight_decay"],
+        "decay": 1 - lambd * eta_value,
+        "neg_eta": -eta_value,
+        "mu": mu_value,
+    }
+    # the next step's eta and mu, written after the values above were read (as torch does)
+    step = value(step_t)
+    eta.copy_(torch.as_tensor(lr / ((1 + lambd * lr * step) ** alpha)))
+    mu.copy_(torch.as_tensor(1 / max(1, step - t0)))
+    return out
+
+
+def program(o, b):
+    s = b.s
+    param, grad, ax = b.tensor("param"), b.tensor("grad"), b.tensor("ax")
+    if o.maximize:
+        grad = b.let("grad", -grad)
+    if o.weight_decay:
+        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    b.assign(param, param * s.decay)
+    b.assign(param, add(param, grad, alpha=s.neg_eta))
+    if o.average:
+        b.assign(ax, ax + (param - ax) * s.mu)
+    else:
+        b.assign(ax, param)
+
+
+ASGD = OptimizerSpec("ASGD", torch.optim.ASGD, init_state, options, inputs, scalars, program)

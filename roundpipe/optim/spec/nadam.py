@@ -1,0 +1,76 @@
+"""NAdam: ``torch.optim.nadam._single_tensor_nadam`` (capturable=False branch).
+
+``mu_product`` is a per-parameter 0-d float32 state tensor multiplied in place each step, as
+torch does; the two ``addcdiv`` coefficients are computed from its float32 value.
+"""
+
+import torch
+
+from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
+from .ir import add, addcdiv, addcmul, lerp, sqrt
+
+
+def init_state(group, p, state):
+    if len(state) == 0:
+        state["step"] = zero_step()
+        state["mu_product"] = torch.tensor(1.0, dtype=zero_step().dtype)
+        state["exp_avg"] = zeros_like(p)
+        state["exp_avg_sq"] = zeros_like(p)
+
+
+def options(group):
+    return {
+        "maximize": group["maximize"],
+        "weight_decay": group["weight_decay"] != 0,
+        "decoupled_weight_decay": group["decoupled_weight_decay"],
+    }
+
+
+def inputs(o):
+    return ["param", "grad", "exp_avg", "exp_avg_sq"]
+
+
+def scalars(group, p, state):
+    lr = to_scalar(group["lr"])
+    beta1, beta2 = group["betas"]
+    weight_decay, momentum_decay = group["weight_decay"], group["momentum_decay"]
+    step_t, mu_product = state["step"], state["mu_product"]
+    step_t += 1
+    step = value(step_t)
+    bias_correction2 = 1 - beta2**step
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** (step * momentum_decay)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * momentum_decay)))
+    mu_product *= mu
+    mu_product_next = value(mu_product) * mu_next
+    return {
+        "weight_decay": weight_decay,
+        "weight_decay_factor": 1 - lr * weight_decay,
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "bias_correction2": bias_correction2,
+        "eps": group["eps"],
+        "grad_coef": -lr * (1.0 - mu) / (1.0 - value(mu_product)),
+        "exp_avg_coef": (-lr * mu_next) / (1.0 - mu_product_next),
+    }
+
+
+def program(o, b):
+    s = b.s
+    param, grad = b.tensor("param"), b.tensor("grad")
+    exp_avg, exp_avg_sq = b.tensor("exp_avg"), b.tensor("exp_avg_sq")
+    if o.maximize:
+        grad = b.let("grad", -grad)
+    if o.weight_decay:
+        if o.decoupled_weight_decay:
+            b.assign(param, param * s.weight_decay_factor)
+        else:
+            grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    b.assign(exp_avg, lerp(exp_avg, grad, s.one_minus_beta1))
+    b.assign(exp_avg_sq, addcmul(exp_avg_sq * s.beta2, grad, grad, value=s.one_minus_beta2))
+    denom = b.let("denom", sqrt(exp_avg_sq / s.bias_correction2) + s.eps)
+    b.assign(param, addcdiv(param, grad, denom, value=s.grad_coef))
+    b.assign(param, addcdiv(param, exp_avg, denom, value=s.exp_avg_coef))
+
+
+NADAM = OptimizerSpec("NAdam", torch.optim.NAdam, init_state, options, inputs, scalars, program)

@@ -1,0 +1,73 @@
+"""RMSprop: ``torch.optim.rmsprop._single_tensor_rmsprop`` (centered and momentum variants)."""
+
+import torch
+
+from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
+from .ir import add, addcdiv, addcmul, lerp, sqrt
+
+
+def init_state(group, p, state):
+    if len(state) == 0:
+        state["step"] = zero_step()
+        state["square_avg"] = zeros_like(p)
+        if group["momentum"] > 0:
+            state["momentum_buffer"] = zeros_like(p)
+        if group["centered"]:
+            state["grad_avg"] = zeros_like(p)
+
+
+def options(group):
+    return {
+        "maximize": group["maximize"],
+        "weight_decay": group["weight_decay"] != 0,
+        "momentum": group["momentum"] > 0,
+        "centered": group["centered"],
+    }
+
+
+def inputs(o):
+    names = ["param", "grad", "square_avg"]
+    if o.momentum:
+        names.append("momentum_buffer")
+    if o.centered:
+        names.append("grad_avg")
+    return names
+
+
+def scalars(group, p, state):
+    lr = to_scalar(group["lr"])
+    alpha = group["alpha"]
+    state["step"] += 1
+    return {
+        "weight_decay": group["weight_decay"],
+        "alpha": alpha,
+        "one_minus_alpha": 1 - alpha,
+        "eps": group["eps"],
+        "momentum": group["momentum"],
+        "neg_lr": -lr,
+    }
+
+
+def program(o, b):
+    s = b.s
+    param, grad, square_avg = b.tensor("param"), b.tensor("grad"), b.tensor("square_avg")
+    if o.maximize:
+        grad = b.let("grad", -grad)
+    if o.weight_decay:
+        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    b.assign(square_avg, addcmul(square_avg * s.alpha, grad, grad, value=s.one_minus_alpha))
+    if o.centered:
+        grad_avg = b.tensor("grad_avg")
+        b.assign(grad_avg, lerp(grad_avg, grad, s.one_minus_alpha))
+        avg = b.let("avg", sqrt(addcmul(square_avg, grad_avg, grad_avg, value=-1)) + s.eps)
+    else:
+        avg = b.let("avg", sqrt(square_avg) + s.eps)
+    if o.momentum:
+        buf = b.tensor("momentum_buffer")
+        b.assign(buf, addcdiv(buf * s.momentum, grad, avg, value=1))
+        b.assign(param, add(param, buf, alpha=s.neg_lr))
+    else:
+        b.assign(param, addcdiv(param, grad, avg, value=s.neg_lr))
+
+
+RMSPROP = OptimizerSpec("RMSprop", torch.optim.RMSprop, init_state, options, inputs, scalars, program)

@@ -16,6 +16,7 @@ import torch
 
 from .optimizer import RoundpipeOptimizer
 from .spec import SPECS
+from .threads import get_num_threads, set_num_threads
 
 __all__ = [
     "Adadelta",
@@ -30,6 +31,8 @@ __all__ = [
     "Rprop",
     "SGD",
     "RoundpipeOptimizer",
+    "get_num_threads",
+    "set_num_threads",
 ]
 
 

@@ -24,6 +24,7 @@ from . import backends
 from .spec.core import Options
 
 SUPPORTED_DTYPES = (torch.float32, torch.complex64)
+_STRIDED = torch.strided
 
 
 class RoundpipeOptimizer(torch.optim.Optimizer):
@@ -70,25 +71,59 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 loss = closure()
         work = self._prepare()
         backend = backends.get(self._roundpipe_backend)
-        spec = self.spec
-        for group, options, params, init_flags in work:
-            batches: dict = {}
-            for p, flags in zip(params, init_flags, strict=True):
-                state = self.state[p]
-                scalars = spec.scalars(group, p, state)
-                step_flags = dict(flags)
-                values = {}
-                for k, v in scalars.items():
-                    if isinstance(v, bool):
-                        step_flags[k] = v
-                    else:
-                        values[k] = float(v)
-                program = spec.program({**options, **step_flags})
-                tensors = {name: _real(_lookup(p, state, name)) for name in program.tensors}
-                batches.setdefault(id(program), (program, []))[1].append((tensors, values))
-            for program, items in batches.values():
-                backend.run(program, items)
+        cache = self.__dict__.setdefault("_roundpipe_cache", {})
+        for gi, (group, options, params, init_flags) in enumerate(work):
+            for program, scalars, columns in self._plan_group(group, options, params, init_flags):
+                backend.run(program, scalars, columns, cache.setdefault(gi, {}))
         return loss
+
+    def _plan_group(self, group, options, params, init_flags):
+        """Advance the 0-d state and bucket a group's parameters by program and scalars.
+
+        Parameters whose 0-d state (``step``, ...) and init flags are equal get equal scalars,
+        so the spec's scalar function runs once per bucket on a scratch copy of that state,
+        and the new 0-d values are copied to every member.
+        """
+        spec = self.spec
+        names = spec.scalar_state
+        state = self.state
+        buckets: dict = {}
+        for p, flags in zip(params, init_flags, strict=True):
+            st = state[p]
+            key = (
+                tuple(sorted(flags.items())) if flags else (),
+                tuple((st[n].item(), st[n].dtype) for n in names),
+            )
+            buckets.setdefault(key, []).append(p)
+        plans = []
+        for (flag_items, _), members in buckets.items():
+            first = state[members[0]]
+            scratch = {n: first[n].clone() for n in names}
+            values, step_flags = {}, dict(flag_items)
+            for k, v in spec.scalars(group, scratch).items():
+                if isinstance(v, bool):
+                    step_flags[k] = v
+                else:
+                    values[k] = float(v)
+            for n in names:
+                torch._foreach_copy_([state[p][n] for p in members], [scratch[n]] * len(members))
+            program = spec.program({**options, **step_flags})
+            columns = {}
+            states = [state[p] for p in members]
+            for name in program.tensors:
+                if name == "param":
+                    col = members
+                elif name == "grad":
+                    col = [p.grad for p in members]
+                else:
+                    col = [st[name] for st in states]
+                columns[name] = col
+            if any(map(torch.is_complex, members)):
+                # complex parameters step as their real views, as torch's for-loop does
+                for name, col in columns.items():
+                    columns[name] = [torch.view_as_real(t) if t.is_complex() else t for t in col]
+            plans.append((program, values, columns))
+        return plans
 
     # ------------------------------------------------------------------------------------------
     def _prepare(self):
@@ -100,32 +135,29 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         spec = self.spec
         work = []
         for gi, group in enumerate(self.param_groups):
-            params = []
+            params, indices = [], []
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                _check_param(name, gi, pi, p)
+                if not _param_ok(p, g):
+                    _raise_param_error(name, gi, pi, p)
                 params.append(p)
-            work.append((gi, group, params))
+                indices.append(pi)
+            work.append((gi, group, params, indices))
         prepared = []
-        for gi, group, params in work:
+        state = self.state
+        for gi, group, params, indices in work:
             options = spec.options(group)
             inputs = [n for n in spec.inputs(Options(options)) if n not in ("param", "grad")]
-            init_flags = []
-            for p in params:
-                init_flags.append(spec.init_state(group, p, self.state[p]) or {})
-            for p in params:
-                pi = _index(group["params"], p)
-                _check_state(name, gi, pi, p, self.state[p], inputs)
+            scalar_names = spec.scalar_state
+            init_flags = [spec.init_state(group, p, state[p]) or {} for p in params]
+            for p, pi in zip(params, indices, strict=True):
+                st = state[p]
+                if not _state_ok(p, st, inputs, scalar_names):
+                    _raise_state_error(name, gi, pi, p, st, inputs, scalar_names)
             prepared.append((group, options, params, init_flags))
         return prepared
-
-
-def _index(params, p):
-    for i, q in enumerate(params):
-        if q is p:
-            return i
-    return -1
 
 
 def _where(cls_name, gi, pi, p):
@@ -135,7 +167,41 @@ def _where(cls_name, gi, pi, p):
     )
 
 
-def _check_param(cls_name, gi, pi, p):
+def _param_ok(p, g):
+    """The fast check of the contract; the slow one below says what is wrong."""
+    return (
+        p.dtype in SUPPORTED_DTYPES
+        and p.is_cpu
+        and p.layout == _STRIDED
+        and p.is_contiguous()
+        and g.dtype == p.dtype
+        and g.is_cpu
+        and g.layout == _STRIDED
+        and g.shape == p.shape
+        and g.is_contiguous()
+    )
+
+
+def _state_ok(p, st, names, scalar_names):
+    for n in scalar_names:
+        t = st.get(n)
+        if not (isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()):
+            return False
+    for n in names:
+        t = st.get(n)
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.dtype == p.dtype
+            and t.is_cpu
+            and t.layout == _STRIDED
+            and t.shape == p.shape
+            and t.is_contiguous()
+        ):
+            return False
+    return True
+
+
+def _raise_param_error(cls_name, gi, pi, p):
     where = _where(cls_name, gi, pi, p)
     g = p.grad
     if p.device.type != "cpu":
@@ -159,10 +225,15 @@ def _check_param(cls_name, gi, pi, p):
         raise RuntimeError(f"{where}: its grad has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
     if not g.is_contiguous():
         raise ValueError(f"{where}: its grad is not contiguous (strides {g.stride()})")
+    raise AssertionError(f"{where}: failed the contract check")  # unreachable
 
 
-def _check_state(cls_name, gi, pi, p, state, names):
+def _raise_state_error(cls_name, gi, pi, p, state, names, scalar_names):
     where = _where(cls_name, gi, pi, p)
+    for n in scalar_names:
+        t = state.get(n)
+        if not isinstance(t, torch.Tensor) or t.dim() != 0 or not t.is_floating_point():
+            raise KeyError(f"{where}: optimizer state {n!r} must be a 0-d floating tensor, got {t!r}")
     for n in names:
         t = state.get(n)
         if not isinstance(t, torch.Tensor):
@@ -176,19 +247,6 @@ def _check_state(cls_name, gi, pi, p, state, names):
             )
         if not t.is_contiguous():
             raise ValueError(f"{where}: state {n!r} is not contiguous (strides {t.stride()})")
-
-
-def _lookup(p, state, name):
-    if name == "param":
-        return p
-    if name == "grad":
-        return p.grad
-    return state[name]
-
-
-def _real(t):
-    t = t.detach()
-    return torch.view_as_real(t) if t.is_complex() else t
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,291 +1,197 @@
-"""The ``fast`` backend: compiles a spec program to numexpr and runs it in place.
+"""The ``fast`` backend: one spec program over many parameters, in place, with few calls.
 
-The compiler is a straight pipeline:
+Two engines execute a program on a set of same-shaped float32 tensors:
 
-1. ``plan_lets``   decides, for each ``let``, whether it can be substituted into the
-   statements that use it (nothing it reads is written in between) or must be materialised
-   into a scratch buffer.
-2. ``lower``       turns each expression into a numexpr string: tensors, scalars and
-   constants become named float32 variables (numexpr upcasts float literals to float64), the
-   torch-named functions become the float32 formulas torch's kernels use, in torch's rounding
-   order.
-3. ``compile_program`` builds one ``numexpr.NumExpr`` per ``assign`` (and per materialised
-   ``let``), once per program and lerp variant, and caches it.
-4. ``FastBackend.run`` binds zero-copy numpy views of the tensors and calls each compiled
-   expression with ``out=`` the target's own memory.
+* ``numexpr`` (``numexpr_engine.py``): one fused, multi-threaded numexpr expression per
+  ``assign``, evaluated with ``out=`` the target on zero-copy numpy views;
+* ``torch`` (``torch_engine.py``): the program's torch ops with ``out=`` into a few scratch
+  slots, over cache-sized chunks.
+
+Which engine runs a program is measured, not guessed: the first time a program variant runs in
+a process, both engines time it on the same synthetic 1 Mi-element tensors (interleaved, median
+of 3) and the faster one is kept (``ROUNDPIPE_OPTIM_ENGINE=numexpr|torch`` pins it instead). On
+the 2-core EPYC this project is developed on, numexpr is compute-bound (about 2 cycles per
+element per operation, no VML in the PyPI wheel) and the torch engine wins for every optimizer.
+
+Many small tensors are not stepped one by one (each call costs microseconds): the parameters
+below ``SMALL_NUMEL`` elements are gathered into one flat buffer per input with a single
+``torch._foreach_copy_``, the program runs once on the flat buffers, and the targets are
+scattered back with another. Every result is written back into the caller's own tensors:
+nothing a step updates is ever replaced.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import statistics
 import threading
-from dataclasses import dataclass
+import time
 
 import numexpr
-import numpy as np
 import torch
-from numexpr.necompiler import NumExpr, getExprNames
 
-from ..spec.ir import Assign, Bin, Call, Const, Let, Scalar, Tensor, walk
+from .. import threads
+from . import numexpr_engine, torch_engine
 
-_F32 = np.float32
+logger = logging.getLogger("roundpipe.optim")
 
+ENGINE_ENV_VAR = "ROUNDPIPE_OPTIM_ENGINE"
+ENGINES = ("auto", "numexpr", "torch")
 
-def tensor_var(name: str) -> str:
-    return "t_" + name
-
-
-def scalar_var(name: str) -> str:
-    return "s_" + name
-
-
-def lerp_complement_var(name: str) -> str:
-    return "s_" + name + "__1m"
+# Parameters with fewer elements than this are batched into flat buffers.
+SMALL_NUMEL = 1 << 16
+CALIBRATION_NUMEL = 1 << 20
 
 
-def const_var(value: float) -> str:
-    # a stable, valid identifier for a float32 constant
-    bits = np.array(value, dtype=_F32).view(np.uint32).item()
-    return f"c_{bits:08x}"
+def engine_setting() -> str:
+    name = os.environ.get(ENGINE_ENV_VAR) or "auto"
+    if name not in ENGINES:
+        raise ValueError(f"{ENGINE_ENV_VAR}={name!r} is not one of {ENGINES}")
+    return name
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. lets: substitute or materialise
+class _Workspace:
+    """Flat buffers for a batch of small parameters, and their parameter-shaped views."""
 
-
-def _reads(expr, let_reads):
-    """Input tensors an expression reads, looking through substituted lets."""
-    out = set()
-    for node in walk(expr):
-        if isinstance(node, Tensor):
-            out |= let_reads.get(node.name, {node.name})
-    return out
-
-
-def plan_lets(program):
-    """Return the set of let names that must be materialised into scratch buffers.
-
-    A let can be substituted into a later statement only when no tensor it reads was assigned
-    between its definition and that use (an assign that *uses* it reads the old values before
-    writing, so the using statement itself may write them).
-    """
-    stmts = program.statements
-    let_reads: dict[str, set] = {}
-    materialise: set = set()
-    for i, st in enumerate(stmts):
-        if not isinstance(st, Let):
-            continue
-        reads = _reads(st.expr, let_reads)
-        written = set()
-        for later in stmts[i + 1 :]:
-            uses = any(isinstance(n, Tensor) and n.name == st.name for n in walk(later.expr))
-            if uses and written & reads:
-                materialise.add(st.name)
-                break
-            if isinstance(later, Assign):
-                written.add(later.target)
-        # a materialised let is a snapshot: whoever uses it reads only its scratch buffer
-        let_reads[st.name] = {st.name} if st.name in materialise else reads
-    return materialise
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. lowering to numexpr strings
-
-
-class _Lowering:
-    def __init__(self, lerp_small: dict, materialised: set):
-        self.lerp_small = lerp_small  # scalar name -> bool: abs(weight) < 0.5
-        self.materialised = materialised
-        self.inline: dict[str, str] = {}  # let name -> numexpr string
-        self.consts: dict[str, float] = {}
-
-    def const(self, value: float) -> str:
-        name = const_var(value)
-        self.consts[name] = value
-        return name
-
-    def is_const(self, e, value):
-        return isinstance(e, Const) and e.value == value
-
-    def __call__(self, e) -> str:
-        if isinstance(e, Tensor):
-            if e.name in self.inline:
-                return self.inline[e.name]
-            if e.name in self.materialised:
-                return "l_" + e.name
-            return tensor_var(e.name)
-        if isinstance(e, Scalar):
-            return scalar_var(e.name)
-        if isinstance(e, Const):
-            return self.const(e.value)
-        if isinstance(e, Bin):
-            return f"({self(e.a)} {e.op} {self(e.b)})"
-        return getattr(self, "fn_" + e.fn)(*e.args)
-
-    # -- torch's float32 formulas, in torch's evaluation order --------------------------------
-    def fn_neg(self, x):
-        return f"(-{self(x)})"
-
-    def fn_sqrt(self, x):
-        return f"sqrt({self(x)})"
-
-    def fn_abs(self, x):
-        return f"abs({self(x)})"
-
-    def fn_sign(self, x):
-        # torch.sign: (0 < x) - (x < 0); NaN gives 0. (numexpr's sign() computes in double.)
-        x, zero, one, minus = self(x), self.const(0.0), self.const(1.0), self.const(-1.0)
-        return f"where({x} > {zero}, {one}, where({x} < {zero}, {minus}, {zero}))"
-
-    def fn_maximum(self, a, b):
-        # torch.maximum propagates NaN from either side; numexpr's maximum() is double only
-        a, b = self(a), self(b)
-        return f"where(({a} > {b}) | ({a} != {a}), {a}, {b})"
-
-    def fn_where(self, c, a, b):
-        return f"where({self(c)}, {self(a)}, {self(b)})"
-
-    def fn_clamp(self, x, lo, hi):
-        # torch.clamp = min(max(x, lo), hi), NaN propagating
-        x, lo, hi = self(x), self(lo), self(hi)
-        low = f"where({x} < {lo}, {lo}, {x})"
-        return f"where({low} > {hi}, {hi}, {low})"
-
-    def _scaled(self, scale, x):
-        if self.is_const(scale, 1.0):
-            return self(x)
-        return f"({self(scale)} * {self(x)})"
-
-    def fn_add(self, a, b, alpha):
-        if self.is_const(alpha, -1.0):
-            return f"({self(a)} - {self(b)})"
-        return f"({self(a)} + {self._scaled(alpha, b)})"
-
-    def fn_addcmul(self, a, b, c, value):
-        return f"({self(a)} + ({self._scaled(value, b)} * {self(c)}))"
-
-    def fn_addcdiv(self, a, b, c, value):
-        return f"({self(a)} + ({self._scaled(value, b)} / {self(c)}))"
-
-    def fn_lerp(self, a, b, w):
-        # ATen's lerp: small weights go from the start, large ones back from the end
-        a, b = self(a), self(b)
-        if self.lerp_small[w.name]:
-            return f"({a} + ({scalar_var(w.name)} * ({b} - {a})))"
-        return f"({b} - (({b} - {a}) * {lerp_complement_var(w.name)}))"
-
-
-def lerp_weights(program):
-    names = []
-    for st in program.statements:
-        for node in walk(st.expr):
-            if isinstance(node, Call) and node.fn == "lerp" and node.args[2].name not in names:
-                names.append(node.args[2].name)
-    return tuple(names)
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. compilation
-
-
-@dataclass
-class _Eval:
-    out: str  # tensor_var(target) or "l_<let>"
-    source: str
-    args: tuple  # argument names in call order
-    func: object
-    uses_vml: bool
-
-
-@dataclass
-class CompiledProgram:
-    program: object
-    evals: list
-    scratch: tuple  # materialised let names
-    consts: dict  # name -> float32 value
-    lerp: tuple  # lerp weight scalar names
-
-
-def _compile_expr(out, source):
-    names, uses_vml = getExprNames(source, {})
-    func = NumExpr(source, signature=[(n, float) for n in names])
-    return _Eval(out, source, tuple(names), func, uses_vml)
-
-
-def compile_program(program, lerp_small: dict) -> CompiledProgram:
-    materialised = plan_lets(program)
-    low = _Lowering(lerp_small, materialised)
-    evals = []
-    for st in program.statements:
-        source = low(st.expr)
-        if isinstance(st, Let):
-            if st.name in materialised:
-                evals.append(_compile_expr("l_" + st.name, source))
-            else:
-                low.inline[st.name] = source
-        else:
-            evals.append(_compile_expr(tensor_var(st.target), source))
-    consts = {k: _F32(v) for k, v in low.consts.items()}
-    return CompiledProgram(program, evals, tuple(sorted(materialised)), consts, lerp_weights(program))
-
-
-# ---------------------------------------------------------------------------------------------
-# 4. running
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of a real float32 tensor (never a copy)."""
-    return t.detach().numpy()
+    def __init__(self, names, shapes, numels):
+        total = sum(numels)
+        self.flat = {}
+        self.views = {}
+        for name in names:
+            buf = torch.empty(total)
+            self.flat[name] = buf
+            self.views[name] = [v.view(s) for v, s in zip(buf.split(numels), shapes, strict=True)]
 
 
 class FastBackend:
     name = "fast"
 
     def __init__(self):
-        self._cache: dict = {}
+        self._numexpr: dict = {}
+        self._torch: dict = {}
+        self._choice: dict = {}
         self._lock = threading.Lock()
 
-    def compiled(self, program, lerp_small: dict) -> CompiledProgram:
-        key = (id(program), tuple(sorted(lerp_small.items())))
-        hit = self._cache.get(key)
+    # -- compilation caches ----------------------------------------------------------------
+    def _numexpr_program(self, program, variant):
+        key = (id(program), variant)
+        hit = self._numexpr.get(key)
         if hit is None or hit.program is not program:
-            hit = compile_program(program, lerp_small)
+            hit = numexpr_engine.compile_program(program, variant)
             with self._lock:
-                self._cache[key] = hit
+                self._numexpr[key] = hit
         return hit
 
-    def run(self, program, items):
-        """Run ``program`` for each ``(tensors, scalars)`` in ``items``, in place."""
-        weights = lerp_weights(program)
-        for tensors, scalars in items:
-            first = tensors["param"]
-            if first.numel() == 0:
-                continue
-            env = {}
-            for name, value in scalars.items():
-                env[scalar_var(name)] = _F32(value)
-            lerp_small = {}
-            for w in weights:
-                wf = env[scalar_var(w)]
-                lerp_small[w] = bool(abs(wf) < _F32(0.5))
-                env[lerp_complement_var(w)] = _F32(1.0) - wf
-            cp = self.compiled(program, lerp_small)
-            env.update(cp.consts)
-            for name, t in tensors.items():
-                env[tensor_var(name)] = as_numpy(t)
-            shape = env["t_param"].shape
-            for name in cp.scratch:
-                env["l_" + name] = np.empty(shape, dtype=_F32)
-            for ev in cp.evals:
-                out = env[ev.out]
-                ev.func(
-                    *[env[a] for a in ev.args],
-                    out=out,
-                    order="K",
-                    casting="safe",
-                    ex_uses_vml=ev.uses_vml,
-                )
+    def _torch_program(self, program):
+        hit = self._torch.get(id(program))
+        if hit is None or hit[0] is not program:
+            hit = (program, torch_engine.compile_program(program))
+            with self._lock:
+                self._torch[id(program)] = hit
+        return hit[1]
 
+    def engine(self, program, variant, scalars, nthreads) -> str:
+        """The engine for a program variant: pinned by the environment, else measured once."""
+        setting = engine_setting()
+        if setting != "auto":
+            return setting
+        key = (id(program), variant, nthreads)
+        hit = self._choice.get(key)
+        if hit is None or hit[0] is not program:
+            hit = (program, self._calibrate(program, variant, scalars))
+            with self._lock:
+                self._choice[key] = hit
+        return hit[1]
 
-def numexpr_threads() -> int:
-    return numexpr.get_num_threads()
+    def _calibrate(self, program, variant, scalars) -> str:
+        gen = torch.Generator().manual_seed(0)
+        tensors = {n: torch.rand(CALIBRATION_NUMEL, generator=gen).add_(0.5) for n in program.tensors}
+        ne_prog = self._numexpr_program(program, variant)
+        t_prog = self._torch_program(program)
+        env = numexpr_engine.scalar_env(scalars, numexpr_engine.lerp_weights(program))
+        runs = {
+            "numexpr": lambda: ne_prog.run(tensors, env),
+            "torch": lambda: t_prog.run(tensors, scalars),
+        }
+        times = {k: [] for k in runs}
+        for fn in runs.values():
+            fn()  # warm up
+        for _ in range(3):
+            for k, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        choice = min(medians, key=medians.get)
+        logger.debug(
+            "calibrated %d-statement program on %d elements: numexpr %.2f ms, torch %.2f ms -> %s",
+            len(program.statements),
+            CALIBRATION_NUMEL,
+            medians["numexpr"] * 1e3,
+            medians["torch"] * 1e3,
+            choice,
+        )
+        return choice
+
+    # -- running ---------------------------------------------------------------------------
+    def run(self, program, scalars, columns, cache=None):
+        """Run ``program`` with ``scalars`` on every parameter of ``columns``, in place.
+
+        ``columns`` maps each of the program's tensor names to a list of real float32
+        tensors, one per parameter; ``cache`` is a dict the caller keeps between steps (the
+        flat workspaces for small parameters live there).
+        """
+        nthreads = threads.get_num_threads()
+        weights = numexpr_engine.lerp_weights(program)
+        variant = numexpr_engine.lerp_variant(scalars, weights)
+        engine = self.engine(program, variant, scalars, nthreads)
+        if engine == "numexpr":
+            prog = self._numexpr_program(program, variant)
+            env = numexpr_engine.scalar_env(scalars, weights)
+            if numexpr.get_num_threads() != nthreads:
+                numexpr.set_num_threads(nthreads)
+
+            def execute(tensors):
+                prog.run(tensors, env)
+
+        else:
+            prog = self._torch_program(program)
+
+            def execute(tensors):
+                prog.run(tensors, scalars)
+
+        with threads.torch_threads(nthreads):
+            self._run_batched(program, columns, execute, cache if cache is not None else {})
+
+    def _run_batched(self, program, columns, execute, cache):
+        names = list(columns)
+        params = columns["param"]
+        numels = [p.numel() for p in params]
+        small = [i for i, n in enumerate(numels) if n < SMALL_NUMEL]  # empty ones cost nothing
+        for i, n in enumerate(numels):
+            if n >= SMALL_NUMEL:
+                execute({name: columns[name][i] for name in names})
+        if not small:
+            return
+        if len(small) == 1:
+            i = small[0]
+            if numels[i]:
+                execute({name: columns[name][i] for name in names})
+            return
+        if len(small) == len(params):
+            members = columns
+        else:
+            members = {name: [columns[name][i] for i in small] for name in names}
+        shapes = tuple(t.shape for t in members["param"])
+        key = (tuple(names), shapes)
+        ws = cache.get(key)
+        if ws is None:
+            if len(cache) >= 8:
+                cache.clear()
+            ws = cache[key] = _Workspace(names, shapes, [numels[i] for i in small])
+        for name in names:
+            torch._foreach_copy_(ws.views[name], members[name])
+        execute(ws.flat)
+        for name in program.targets:
+            torch._foreach_copy_(members[name], ws.views[name])

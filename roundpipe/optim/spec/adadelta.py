@@ -21,7 +21,7 @@ def inputs(o):
     return ["param", "grad", "square_avg", "acc_delta"]
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     rho = group["rho"]
     state["step"] += 1

@@ -22,7 +22,7 @@ def options(group):
     return {"maximize": group["maximize"], "weight_decay": group["weight_decay"] != 0}
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     step_t = state["step"]
     step_t += 1

@@ -28,7 +28,7 @@ def options(group):
     }
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = (to_scalar(b) for b in group["betas"])
     weight_decay = group["weight_decay"]

@@ -25,7 +25,7 @@ def inputs(o):
     return ["param", "grad", "exp_avg", "exp_inf"]
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = group["betas"]
     step_t = state["step"]

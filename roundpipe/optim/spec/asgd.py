@@ -28,7 +28,7 @@ def inputs(o):
     return ["param", "grad", "ax"]
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     lambd, alpha, t0 = group["lambd"], group["alpha"], group["t0"]
     step_t, eta, mu = state["step"], state["eta"], state["mu"]
@@ -64,4 +64,13 @@ def program(o, b):
         b.assign(ax, param)
 
 
-ASGD = OptimizerSpec("ASGD", torch.optim.ASGD, init_state, options, inputs, scalars, program)
+ASGD = OptimizerSpec(
+    "ASGD",
+    torch.optim.ASGD,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    program,
+    scalar_state=("step", "eta", "mu"),
+)

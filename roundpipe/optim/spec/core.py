@@ -14,12 +14,17 @@ Each optimizer module in this package (``adam.py``, ``sgd.py`` ...) defines one
 ``inputs(o)``
     the tensors the program binds for options ``o``: ``param``, ``grad`` and state entries.
     They are checked (present, shape, dtype, layout) before anything is modified.
-``scalars(group, p, state)``
+``scalar_state``
+    the names of the 0-d state tensors (``step``; ASGD's ``eta`` and ``mu``; NAdam's
+    ``mu_product``).
+``scalars(group, state)``
     the per-parameter Python part of a step, written as torch writes it: advances the 0-d
-    state tensors (``step += 1``, ASGD's ``eta``/``mu``, NAdam's ``mu_product``) and returns the
+    state tensors in ``state`` (which holds only the ``scalar_state`` entries) and returns the
     per-step scalars in Python double precision (bias corrections, step sizes). Entries whose
     value is a ``bool`` are *flags*: they join the options to select the program for this step
-    (SGD's first momentum step, RAdam's rectification, ASGD's ``mu == 1``).
+    (RAdam's rectification, ASGD's ``mu == 1``). It sees nothing but the group and the 0-d
+    state, so parameters whose 0-d state is equal get equal scalars: the step loop calls it
+    once per distinct 0-d state, not once per parameter.
 ``program(o, b)``
     adds the elementwise statements for options ``o`` (attribute access; static options and
     this step's flags) to ``b``, a :class:`~roundpipe.optim.spec.ir.ProgramBuilder` over
@@ -59,6 +64,7 @@ class OptimizerSpec:
     inputs: Callable
     scalars: Callable
     build: Callable
+    scalar_state: tuple = ("step",)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

@@ -30,7 +30,7 @@ def inputs(o):
     return ["param", "grad", "exp_avg", "exp_avg_sq"]
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = group["betas"]
     weight_decay, momentum_decay = group["weight_decay"], group["momentum_decay"]
@@ -73,4 +73,13 @@ def program(o, b):
     b.assign(param, addcdiv(param, exp_avg, denom, value=s.exp_avg_coef))
 
 
-NADAM = OptimizerSpec("NAdam", torch.optim.NAdam, init_state, options, inputs, scalars, program)
+NADAM = OptimizerSpec(
+    "NAdam",
+    torch.optim.NAdam,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    program,
+    scalar_state=("step", "mu_product"),
+)

@@ -29,7 +29,7 @@ def inputs(o):
     return ["param", "grad", "exp_avg", "exp_avg_sq"]
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = group["betas"]
     weight_decay = group["weight_decay"]

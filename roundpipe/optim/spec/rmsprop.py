@@ -34,7 +34,7 @@ def inputs(o):
     return names
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     alpha = group["alpha"]
     state["step"] += 1

@@ -29,7 +29,7 @@ def inputs(o):
     return ["param", "grad", "prev", "step_size"]
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     etaminus, etaplus = group["etas"]
     step_size_min, step_size_max = group["step_sizes"]
     state["step"] += 1

@@ -29,7 +29,7 @@ def options(group):
     }
 
 
-def scalars(group, p, state):
+def scalars(group, state):
     lr = to_scalar(group["lr"])
     momentum = group["momentum"]
     return {
@@ -64,4 +64,4 @@ def program(o, b):
     b.assign(param, add(param, grad, alpha=s.neg_lr))
 
 
-SGD = OptimizerSpec("SGD", torch.optim.SGD, init_state, options, inputs, scalars, program)
+SGD = OptimizerSpec("SGD", torch.optim.SGD, init_state, options, inputs, scalars, program, scalar_state=())

@@ -1,0 +1,91 @@
+"""The torch lowering of the IR, shared by the ``reference`` backend and the ``fast`` backend's
+torch engine: each IR operator or function is the torch op it is named after.
+
+Every entry takes its operands (tensors, or Python floats for scalars) and an optional
+``out=`` tensor. Python operators between a number and a tensor follow torch's own
+``Tensor.__r*__`` definitions, so ``s / t`` is ``reciprocal(t) * s`` exactly as in
+``torch/_tensor.py``: the rounding is the one torch.optim's for-loop gets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _is_t(x):
+    return isinstance(x, torch.Tensor)
+
+
+def _add(a, b, out=None):
+    if not _is_t(a):
+        a, b = b, a
+    return torch.add(a, b, out=out)
+
+
+def _sub(a, b, out=None):
+    if _is_t(a):
+        return torch.sub(a, b, out=out)
+    # number - tensor: torch's __rsub__ is rsub(t, n) = n - t
+    res = torch.rsub(b, a)
+    return res if out is None else out.copy_(res)
+
+
+def _mul(a, b, out=None):
+    if not _is_t(a):
+        a, b = b, a
+    return torch.mul(a, b, out=out)
+
+
+def _div(a, b, out=None):
+    if _is_t(a):
+        return torch.div(a, b, out=out)
+    # number / tensor: torch's __rtruediv__ is reciprocal(t) * n
+    res = torch.reciprocal(b, out=out)
+    return res.mul_(a)
+
+
+def _cmp(op, rop):
+    def f(a, b, out=None):
+        if _is_t(a):
+            return op(a, b, out=out)
+        return rop(b, a, out=out)
+
+    return f
+
+
+def _where(cond, a, b, out=None):
+    if out is None:
+        return torch.where(cond, a, b)
+    if not _is_t(a):
+        a = torch.tensor(a, dtype=out.dtype)
+    if not _is_t(b):
+        b = torch.tensor(b, dtype=out.dtype)
+    return torch.where(cond, a, b, out=out)
+
+
+BINARY = {
+    "+": _add,
+    "-": _sub,
+    "*": _mul,
+    "/": _div,
+    ">": _cmp(torch.gt, torch.lt),
+    "<": _cmp(torch.lt, torch.gt),
+    ">=": _cmp(torch.ge, torch.le),
+    "<=": _cmp(torch.le, torch.ge),
+}
+
+FUNCTIONS = {
+    "neg": lambda x, out=None: torch.neg(x, out=out),
+    "sqrt": lambda x, out=None: torch.sqrt(x, out=out),
+    "abs": lambda x, out=None: torch.abs(x, out=out),
+    "sign": lambda x, out=None: torch.sign(x, out=out),
+    "maximum": lambda a, b, out=None: torch.maximum(a, b, out=out),
+    "where": _where,
+    "clamp": lambda x, lo, hi, out=None: torch.clamp(x, lo, hi, out=out),
+    "add": lambda a, b, alpha, out=None: torch.add(a, b, alpha=alpha, out=out),
+    "addcmul": lambda a, b, c, value, out=None: torch.addcmul(a, b, c, value=value, out=out),
+    "addcdiv": lambda a, b, c, value, out=None: torch.addcdiv(a, b, c, value=value, out=out),
+    "lerp": lambda a, b, w, out=None: torch.lerp(a, b, w, out=out),
+}
+
+COMPARISONS = (">", "<", ">=", "<=")

@@ -52,7 +52,9 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state):
-        state.setdefault("_roundpipe_backend", backends.resolve(None))
+        # torch's load_state_dict() calls this too, without the backend: keep ours then
+        if "_roundpipe_backend" not in state and "_roundpipe_backend" not in self.__dict__:
+            state = {**state, "_roundpipe_backend": backends.resolve(None)}
         super().__setstate__(state)
 
     def __repr__(self):
@@ -127,13 +129,17 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------
     def _prepare(self):
-        """Check everything the step needs, then create missing state; modify nothing else.
+        """Check everything the step needs and create missing state; modify nothing else.
 
+        If any check fails, the state entries this call created are removed again before the
+        error propagates, so a failed step leaves the optimizer exactly as it found it.
         Returns ``[(group, options, params, init_flags)]`` for the params that have a grad.
         """
         name = type(self).__name__
         spec = self.spec
+        backends.get(self._roundpipe_backend).check_settings()
         work = []
+        seen = set()
         for gi, group in enumerate(self.param_groups):
             params, indices = [], []
             for pi, p in enumerate(group["params"]):
@@ -142,21 +148,42 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                     continue
                 if not _param_ok(p, g):
                     _raise_param_error(name, gi, pi, p)
+                if id(p) in seen:
+                    raise ValueError(
+                        f"{_where(name, gi, pi, p)} appears more than once in param_groups; "
+                        "torch.optim would step it twice (deprecated there), roundpipe refuses"
+                    )
+                seen.add(id(p))
                 params.append(p)
                 indices.append(pi)
             work.append((gi, group, params, indices))
-        prepared = []
         state = self.state
-        for gi, group, params, indices in work:
-            options = spec.options(group)
-            inputs = [n for n in spec.inputs(Options(options)) if n not in ("param", "grad")]
-            scalar_names = spec.scalar_state
-            init_flags = [spec.init_state(group, p, state[p]) or {} for p in params]
-            for p, pi in zip(params, indices, strict=True):
-                st = state[p]
-                if not _state_ok(p, st, inputs, scalar_names):
-                    _raise_state_error(name, gi, pi, p, st, inputs, scalar_names)
-            prepared.append((group, options, params, init_flags))
+        created = []  # (state dict, number of entries it had before init_state)
+        try:
+            prepared = []
+            for gi, group, params, indices in work:
+                options = spec.options(group)
+                inputs = [n for n in spec.inputs(Options(options)) if n not in ("param", "grad")]
+                scalar_names = spec.scalar_state
+                init_flags = []
+                for p in params:
+                    st = state[p]
+                    before = len(st)
+                    init_flags.append(spec.init_state(group, p, st) or {})
+                    if len(st) != before:
+                        created.append((p, st, before))
+                for p, pi in zip(params, indices, strict=True):
+                    st = state[p]
+                    if not _state_ok(p, st, inputs, scalar_names):
+                        _raise_state_error(name, gi, pi, p, st, inputs, scalar_names)
+                prepared.append((group, options, params, init_flags))
+        except BaseException:
+            for p, st, before in created:
+                for key in list(st)[before:]:
+                    del st[key]
+                if not st:
+                    del state[p]
+            raise
         return prepared
 
 

@@ -73,6 +73,11 @@ class FastBackend:
         self._choice: dict = {}
         self._lock = threading.Lock()
 
+    def check_settings(self):
+        """Raise now, before a step modifies anything, if the environment's settings are bad."""
+        engine_setting()
+        threads.get_num_threads()
+
     # -- compilation caches ----------------------------------------------------------------
     def _numexpr_program(self, program, variant):
         key = (id(program), variant)

@@ -43,6 +43,9 @@ def run_program(program, scalars, tensors):
 class ReferenceBackend:
     name = "reference"
 
+    def check_settings(self):
+        pass
+
     def run(self, program, scalars, columns, cache=None):
         """Run ``program`` with ``scalars`` (name -> float) on every parameter of ``columns``.
 

@@ -331,6 +331,18 @@ class ProgramBuilder:
         return validate(self.statements, self.inputs)
 
 
+def _check_conditions(expr, st, as_value):
+    """Comparisons are booleans: allowed only as the condition of ``where``."""
+    if isinstance(expr, Bin) and expr.op in COMPARISONS and as_value:
+        raise ValueError(f"comparison {format_expr(expr)} used as a value in {st}; use where()")
+    if isinstance(expr, Bin):
+        _check_conditions(expr.a, st, True)
+        _check_conditions(expr.b, st, True)
+    elif isinstance(expr, Call):
+        for i, a in enumerate(expr.args):
+            _check_conditions(a, st, not (expr.fn == "where" and i == 0))
+
+
 def validate(statements, inputs) -> Program:
     """Check a statement list and derive the program's interface."""
     inputs = tuple(inputs)
@@ -341,6 +353,7 @@ def validate(statements, inputs) -> Program:
     targets: list[str] = []
     for st in statements:
         expr = st.expr
+        _check_conditions(expr, st, as_value=True)
         if not expr.is_tensor():
             raise ValueError(f"statement {st} computes a scalar: do scalar math in scalars()")
         for node in walk(expr):

@@ -1,0 +1,280 @@
+"""Shared helpers for the unit tests: the optimizer list, small deterministic problems, and
+comparisons of parameters and optimizer state.
+
+The numerical option grid against torch lives in ``conformance/``; these helpers only build
+small problems for API and integration tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import itertools
+import math
+import re
+
+import torch
+
+import roundpipe.optim
+
+# All eleven optimizers roundpipe.optim provides (or is about to provide).
+OPTIMIZER_NAMES = [
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "Adamax",
+    "AdamW",
+    "ASGD",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "SGD",
+]
+BACKENDS = ["fast", "reference"]  # the public backend names
+ENV_VAR = "ROUNDPIPE_OPTIM_BACKEND"
+ENGINE_ENV_VAR = "ROUNDPIPE_OPTIM_ENGINE"
+THREADS_ENV_VAR = "ROUNDPIPE_OPTIM_NUM_THREADS"
+
+# Hyperparameters that switch on the optimizer's state and optional branches (all valid for
+# torch), for tests that train a few steps and compare.
+RICH_KWARGS = {
+    "Adadelta": dict(lr=0.5, rho=0.8, weight_decay=0.1),
+    "Adagrad": dict(lr=0.05, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
+    "Adam": dict(lr=0.01, weight_decay=0.1, amsgrad=True),
+    "Adamax": dict(lr=0.01, weight_decay=0.1),
+    "AdamW": dict(lr=0.01, amsgrad=True),
+    # a small t0 makes ASGD start averaging (mu != 1) within a few steps
+    "ASGD": dict(lr=0.01, t0=2.0, lambd=1e-3, weight_decay=0.1),
+    "NAdam": dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
+    # RAdam rectifies from step 6 on with the default betas
+    "RAdam": dict(lr=0.01, weight_decay=0.1),
+    "RMSprop": dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1),
+    "Rprop": dict(lr=0.01, etas=(0.4, 1.3)),
+    "SGD": dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
+}
+
+# float32 tolerances for runs that must agree up to rounding
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def rp_class(name: str):
+    """The roundpipe.optim class (fails with AttributeError while it does not exist yet)."""
+    return getattr(roundpipe.optim, name)
+
+
+def torch_class(name: str):
+    return getattr(torch.optim, name)
+
+
+def _randn(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=dtype)
+
+
+# (group, shape, dtype) of the parameters of the standard small problem: two groups, the
+# second with its own lr, one complex64 parameter.
+PARAM_LAYOUT = [
+    (0, (3, 4), torch.float32),
+    (0, (5,), torch.float32),
+    (1, (2, 3), torch.float32),
+    (1, (4,), torch.complex64),
+]
+
+
+def make_params(seed: int = 0):
+    """Fresh leaf parameters of PARAM_LAYOUT with deterministic values."""
+    return [
+        torch.nn.Parameter(_randn(shape, dtype, seed * 100 + i))
+        for i, (_, shape, dtype) in enumerate(PARAM_LAYOUT)
+    ]
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def groups(params, second_lr: float = 0.003):
+    """Two param groups over make_params()' parameters; the second overrides lr."""
+    g0 = [p for p, (g, _, _) in zip(params, PARAM_LAYOUT, strict=True) if g == 0]
+    g1 = [p for p, (g, _, _) in zip(params, PARAM_LAYOUT, strict=True) if g == 1]
+    return [{"params": g0}, {"params": g1, "lr": second_lr}]
+
+
+def set_grads(params, step: int, seed: int = 1):
+    """Give each parameter a deterministic gradient for step ``step`` (independent of values)."""
+    for i, p in enumerate(params):
+        p.grad = _randn(p.shape, p.dtype, 10_000 * seed + 100 * step + i)
+
+
+def run_steps(opt, params, steps, seed: int = 1):
+    """``opt.step()`` once for each step index in ``steps``, with set_grads' gradients."""
+    for k in steps:
+        set_grads(params, k, seed)
+        opt.step()
+
+
+def roundtrip(obj):
+    """``obj`` through torch.save / torch.load (what a checkpoint does)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def assert_params_close(a, b, **tol):
+    tol = tol or TOL
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        torch.testing.assert_close(x.detach(), y.detach(), msg=lambda m, i=i: f"param {i}: {m}", **tol)
+
+
+def assert_state_dicts_close(sd_a, sd_b, **tol):
+    """Same layout (group keys and values, state keys, types, dtypes, shapes), close values."""
+    tol = tol or TOL
+    assert set(sd_a) == set(sd_b) == {"state", "param_groups"}
+    assert len(sd_a["param_groups"]) == len(sd_b["param_groups"])
+    for ga, gb in zip(sd_a["param_groups"], sd_b["param_groups"], strict=True):
+        assert set(ga) == set(gb), (sorted(ga), sorted(gb))
+        for k in ga:
+            assert _plain(ga[k]) == _plain(gb[k]), (k, ga[k], gb[k])
+    assert sorted(sd_a["state"]) == sorted(sd_b["state"])
+    for pid, sa in sd_a["state"].items():
+        sb = sd_b["state"][pid]
+        assert sorted(sa) == sorted(sb), (pid, sorted(sa), sorted(sb))
+        for k, va in sa.items():
+            vb = sb[k]
+            assert type(va) is type(vb), (pid, k, type(va), type(vb))
+            if isinstance(va, torch.Tensor):
+                assert va.dtype == vb.dtype and va.shape == vb.shape, (pid, k, va, vb)
+                torch.testing.assert_close(
+                    va, vb, msg=lambda m, pid=pid, k=k: f"state[{pid}][{k}]: {m}", **tol
+                )
+            elif isinstance(va, float):
+                assert math.isclose(va, vb, rel_tol=1e-6), (pid, k, va, vb)
+            else:
+                assert va == vb, (pid, k, va, vb)
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.tolist())
+    if isinstance(v, tuple | list):
+        return type(v)(_plain(x) for x in v)
+    return v
+
+
+def snapshot(opt):
+    """Everything a failed step must leave alone: params, grads, state (entries and objects)."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            out.append(
+                (
+                    p,
+                    _copy_tensor(p),
+                    p.grad,
+                    None if p.grad is None else _copy_tensor(p.grad),
+                    {
+                        k: (v, _copy_tensor(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                        for k, v in state.items()
+                    },
+                )
+            )
+    return out
+
+
+def _copy_tensor(t):
+    t = t.detach()
+    return t if t.device.type == "meta" else t.clone()
+
+
+def _bits_equal(a, b):
+    if a.device.type == "meta" or b.device.type == "meta":
+        return a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return a.layout == b.layout and torch.equal(a.to_dense(), b.to_dense())
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.contiguous(), b.contiguous()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+
+
+def assert_unchanged(opt, snap):
+    """Nothing in ``snap`` (from :func:`snapshot`) changed, bit for bit, and no state was added."""
+    flat = [p for group in opt.param_groups for p in group["params"]]
+    assert len(flat) == len(snap) and all(a is s[0] for a, s in zip(flat, snap, strict=True))
+    for i, (p, p_copy, grad, grad_copy, state) in enumerate(snap):
+        assert _bits_equal(p.detach(), p_copy), f"param {i} was modified"
+        assert p.grad is grad, f"param {i}: grad object replaced"
+        if grad is not None:
+            assert _bits_equal(p.grad.detach(), grad_copy), f"param {i}: grad was modified"
+        now = opt.state.get(p, {})
+        assert sorted(now) == sorted(state), f"param {i}: state keys changed {sorted(state)} -> {sorted(now)}"
+        for k, (obj, val) in state.items():
+            assert now[k] is obj, f"param {i}: state[{k!r}] replaced"
+            if isinstance(val, torch.Tensor):
+                assert _bits_equal(now[k].detach(), val), f"param {i}: state[{k!r}] was modified"
+            else:
+                assert now[k] == val, f"param {i}: state[{k!r}] was modified"
+
+
+# ---------------------------------------------------------------------------------------------
+# specs: every program a spec can build
+
+
+def default_group(spec, **kwargs):
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    opt = spec.torch_class([p], **kwargs)
+    return opt.param_groups[0], p
+
+
+def spec_scalars(spec, group, p, state):
+    """spec.scalars for this parameter (it sees the 0-d state entries when it takes two
+    arguments, the parameter and its whole state when it takes three)."""
+    if len(inspect.signature(spec.scalars).parameters) == 3:
+        return spec.scalars(group, p, state)
+    names = getattr(spec, "scalar_state", ())
+    return spec.scalars(group, {k: state[k] for k in names if k in state})
+
+
+def discovered_flags(spec, group, p):
+    """The per-step flags init_state and scalars return on a first step (bool values)."""
+    state = {}
+    flags = dict(spec.init_state(group, p, state) or {})
+    for k, v in spec_scalars(spec, group, p, state).items():
+        if isinstance(v, bool):
+            flags[k] = v
+    return flags
+
+
+_MISSING = re.compile(r"no option '(\w+)'")
+
+
+def all_programs(spec):
+    """(options, program) for every combination of the spec's boolean options and flags."""
+    group, p = default_group(spec)
+    base = dict(spec.options(group))
+    base.update(discovered_flags(spec, group, p))
+    for _ in range(10):
+        toggles = sorted(k for k, v in base.items() if isinstance(v, bool))
+        out = []
+        try:
+            for values in itertools.product([False, True], repeat=len(toggles)):
+                opts = {**base, **dict(zip(toggles, values, strict=True))}
+                out.append((opts, spec.program(opts)))
+            return out
+        except AttributeError as e:
+            # an option read only under some combination: add it as a flag and start over
+            m = _MISSING.search(str(e))
+            if m is None or m.group(1) in base:
+                raise
+            base[m.group(1)] = False
+    raise AssertionError("too many undiscovered options")

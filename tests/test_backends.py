@@ -398,9 +398,19 @@ def test_scalars_are_applied_as_float32(backend):
     np.testing.assert_array_equal(t["param"].numpy(), as_f32)
 
 
+def test_default_engine_is_torch(monkeypatch):
+    """Without ROUNDPIPE_OPTIM_ENGINE the fast backend runs the torch engine (reproducible)."""
+    monkeypatch.delenv(fast.ENGINE_ENV_VAR, raising=False)
+    prog = _every_function_program()
+    sc = dict(SCALARS, w=0.3, tiny=1e-3)
+    variant = numexpr_engine.lerp_variant(sc, numexpr_engine.lerp_weights(prog))
+    assert fast.FastBackend().engine(prog, variant, sc, 1) == "torch"
+
+
 def test_auto_engine_is_measured_once_and_valid(monkeypatch):
-    """Without ROUNDPIPE_OPTIM_ENGINE the fast backend times both engines once per program
+    """With ROUNDPIPE_OPTIM_ENGINE=auto the fast backend times both engines once per program
     variant and keeps the choice; a bad setting is rejected."""
+    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "auto")
     prog = _every_function_program()
     sc = dict(SCALARS, w=0.3, tiny=1e-3)
     be = fast.FastBackend()
@@ -419,7 +429,7 @@ def test_auto_engine_is_measured_once_and_valid(monkeypatch):
 
 
 def test_auto_engine_results(monkeypatch):
-    monkeypatch.delenv(fast.ENGINE_ENV_VAR, raising=False)
+    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "auto")
     prog = _every_function_program()
     sc = dict(SCALARS, w=0.6, tiny=1e-3)
     t = _inputs(4)

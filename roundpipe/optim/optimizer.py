@@ -74,12 +74,12 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         work = self._prepare()
         backend = backends.get(self._roundpipe_backend)
         cache = self.__dict__.setdefault("_roundpipe_cache", {})
-        for gi, (group, options, params, init_flags) in enumerate(work):
-            for program, scalars, columns in self._plan_group(group, options, params, init_flags):
+        for gi, (group, options, params, states, init_flags) in enumerate(work):
+            for program, scalars, columns in self._plan_group(group, options, params, states, init_flags):
                 backend.run(program, scalars, columns, cache.setdefault(gi, {}))
         return loss
 
-    def _plan_group(self, group, options, params, init_flags):
+    def _plan_group(self, group, options, params, states, init_flags):
         """Advance the 0-d state and bucket a group's parameters by program and scalars.
 
         Parameters whose 0-d state (``step``, ...) and init flags are equal get equal scalars,
@@ -88,19 +88,22 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         """
         spec = self.spec
         names = spec.scalar_state
-        state = self.state
         buckets: dict = {}
-        for p, flags in zip(params, init_flags, strict=True):
-            st = state[p]
-            key = (
-                tuple(sorted(flags.items())) if flags else (),
-                tuple((st[n].item(), st[n].dtype) for n in names),
-            )
-            buckets.setdefault(key, []).append(p)
+        if params and _all_equal(states, names) and all(f == init_flags[0] for f in init_flags):
+            # the common case: every parameter of the group is at the same step
+            buckets[(tuple(sorted(init_flags[0].items())), ())] = (params, states)
+        else:
+            for p, st, flags in zip(params, states, init_flags, strict=True):
+                key = (
+                    tuple(sorted(flags.items())) if flags else (),
+                    tuple((st[n].item(), st[n].dtype) for n in names),
+                )
+                members, member_states = buckets.setdefault(key, ([], []))
+                members.append(p)
+                member_states.append(st)
         plans = []
-        for (flag_items, _), members in buckets.items():
-            first = state[members[0]]
-            scratch = {n: first[n].clone() for n in names}
+        for (flag_items, _), (members, states) in buckets.items():
+            scratch = {n: states[0][n].clone() for n in names}
             values, step_flags = {}, dict(flag_items)
             for k, v in spec.scalars(group, scratch).items():
                 if isinstance(v, bool):
@@ -108,10 +111,9 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 else:
                     values[k] = float(v)
             for n in names:
-                torch._foreach_copy_([state[p][n] for p in members], [scratch[n]] * len(members))
+                torch._foreach_copy_([st[n] for st in states], [scratch[n]] * len(members))
             program = spec.program({**options, **step_flags})
             columns = {}
-            states = [state[p] for p in members]
             for name in program.tensors:
                 if name == "param":
                     col = members
@@ -133,7 +135,8 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
 
         If any check fails, the state entries this call created are removed again before the
         error propagates, so a failed step leaves the optimizer exactly as it found it.
-        Returns ``[(group, options, params, init_flags)]`` for the params that have a grad.
+        Returns ``[(group, options, params, states, init_flags)]`` for the params that have a
+        grad.
         """
         name = type(self).__name__
         spec = self.spec
@@ -141,21 +144,16 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         work = []
         seen = set()
         for gi, group in enumerate(self.param_groups):
-            params, indices = [], []
-            for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                if not _param_ok(p, g):
+            indices = [pi for pi, p in enumerate(group["params"]) if p.grad is not None]
+            all_params = group["params"]
+            params = [all_params[pi] for pi in indices]
+            for pi, p in zip(indices, params, strict=True):
+                if not _param_ok(p, p.grad):
                     _raise_param_error(name, gi, pi, p)
-                if id(p) in seen:
-                    raise ValueError(
-                        f"{_where(name, gi, pi, p)} appears more than once in param_groups; "
-                        "torch.optim would step it twice (deprecated there), roundpipe refuses"
-                    )
-                seen.add(id(p))
-                params.append(p)
-                indices.append(pi)
+            ids = list(map(id, params))
+            if len(set(ids)) != len(ids) or not seen.isdisjoint(ids):
+                _raise_duplicate(name, gi, indices, params, seen)
+            seen.update(ids)
             work.append((gi, group, params, indices))
         state = self.state
         created = []  # (state dict, number of entries it had before init_state)
@@ -166,17 +164,16 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 inputs = [n for n in spec.inputs(Options(options)) if n not in ("param", "grad")]
                 scalar_names = spec.scalar_state
                 init_flags = []
-                for p in params:
-                    st = state[p]
+                states = [state[p] for p in params]
+                for p, st in zip(params, states, strict=True):
                     before = len(st)
                     init_flags.append(spec.init_state(group, p, st) or {})
                     if len(st) != before:
                         created.append((p, st, before))
-                for p, pi in zip(params, indices, strict=True):
-                    st = state[p]
+                for p, pi, st in zip(params, indices, states, strict=True):
                     if not _state_ok(p, st, inputs, scalar_names):
                         _raise_state_error(name, gi, pi, p, st, inputs, scalar_names)
-                prepared.append((group, options, params, init_flags))
+                prepared.append((group, options, params, states, init_flags))
         except BaseException:
             for p, st, before in created:
                 for key in list(st)[before:]:
@@ -192,6 +189,30 @@ def _where(cls_name, gi, pi, p):
         f"roundpipe.optim.{cls_name}: param_groups[{gi}]['params'][{pi}] "
         f"(shape {tuple(p.shape)}, dtype {p.dtype})"
     )
+
+
+def _all_equal(states, names):
+    """True when every state holds the same values and dtypes in its 0-d entries ``names``."""
+    for n in names:
+        col = [st[n] for st in states]
+        dtype = col[0].dtype
+        if any(t.dtype != dtype for t in col):
+            return False
+        stacked = torch.stack(col)
+        if not bool((stacked == stacked[0]).all()):
+            return False
+    return True
+
+
+def _raise_duplicate(cls_name, gi, indices, params, seen):
+    local = set()
+    for pi, p in zip(indices, params, strict=True):
+        if id(p) in seen or id(p) in local:
+            raise ValueError(
+                f"{_where(cls_name, gi, pi, p)} appears more than once in param_groups; "
+                "torch.optim would step it twice (deprecated there), roundpipe refuses"
+            )
+        local.add(id(p))
 
 
 def _param_ok(p, g):

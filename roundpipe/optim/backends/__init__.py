@@ -1,7 +1,9 @@
 """Backends: interpreters and compilers of the spec (``roundpipe.optim.spec``).
 
 ``reference`` runs a program with plain torch ops (``reference.py``); ``fast`` compiles it to
-numexpr expressions evaluated in place on zero-copy numpy views (``fast.py``).
+numexpr expressions evaluated in place on zero-copy numpy views (``fast.py``); ``native``
+compiles it with numba into one parallel loop per program (``native.py``; needs the optional
+``numba``: ``pip install "roundpipe[native]"``).
 
 The backend is chosen per optimizer with ``backend=``; when that is not given, the environment
 variable ``ROUNDPIPE_OPTIM_BACKEND`` decides, and ``"fast"`` is the default.
@@ -13,7 +15,7 @@ import os
 
 ENV_VAR = "ROUNDPIPE_OPTIM_BACKEND"
 DEFAULT = "fast"
-NAMES = ("fast", "reference")
+NAMES = ("fast", "reference", "native")
 
 _instances: dict = {}
 
@@ -27,6 +29,8 @@ def resolve(name: str | None) -> str:
     if name not in NAMES:
         valid = ", ".join(repr(n) for n in NAMES)
         raise ValueError(f"unknown roundpipe.optim backend {name!r} (from {source}); valid: {valid}")
+    if name == "native":
+        get(name)  # without numba this raises ImportError now, when the optimizer is constructed
     return name
 
 
@@ -42,6 +46,10 @@ def get(name: str):
             from .reference import ReferenceBackend
 
             backend = ReferenceBackend()
+        elif name == "native":
+            from .native import NativeBackend
+
+            backend = NativeBackend()
         else:
             raise ValueError(name)
         _instances[name] = backend

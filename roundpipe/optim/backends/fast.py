@@ -76,6 +76,7 @@ class FastBackend:
         self._numexpr: dict = {}
         self._torch: dict = {}
         self._choice: dict = {}
+        self._logged: set = set()
         self._lock = threading.Lock()
 
     def check_settings(self):
@@ -156,9 +157,28 @@ class FastBackend:
         weights = numexpr_engine.lerp_weights(program)
         variant = numexpr_engine.lerp_variant(scalars, weights)
         engine = self.engine(program, variant, scalars, nthreads)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_once(program, engine, nthreads, columns)
         execute = self.executor(engine, program, variant, scalars, nthreads)
         with threads.torch_threads(nthreads):
             self._run_batched(program, columns, execute, cache if cache is not None else {})
+
+    def _log_once(self, program, engine, nthreads, columns):
+        key = (id(program), engine, nthreads)
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        numels = [t.numel() for t in columns["param"]]
+        small = sum(n < SMALL_NUMEL for n in numels)
+        logger.debug(
+            "backend=%s engine=%s threads=%d: %d-statement program, %d parameters (%d batched as small)",
+            self.name,
+            engine,
+            nthreads,
+            len(program.statements),
+            len(numels),
+            small,
+        )
 
     def executor(self, engine, program, variant, scalars, nthreads):
         """A function that runs the program in place on one set of same-shaped tensors."""

@@ -9,8 +9,12 @@ opinion.
 
 from __future__ import annotations
 
+import logging
+
 from ..spec.ir import Assign, Bin, Call, Const, Let, Scalar, Tensor
 from .torch_ops import BINARY, FUNCTIONS
+
+logger = logging.getLogger("roundpipe.optim")
 
 
 def evaluate(expr, env, scalars):
@@ -52,6 +56,8 @@ class ReferenceBackend:
         ``columns`` maps each of the program's tensor names to a list of real
         (``view_as_real``) float32 tensors, one per parameter.
         """
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("backend=reference: %d parameters, one at a time", len(columns["param"]))
         names = list(columns)
         for row in zip(*columns.values(), strict=True):
             run_program(program, scalars, dict(zip(names, row, strict=True)))

@@ -43,8 +43,9 @@ class TorchProgram:
     n_float: int
     n_bool: int
 
-    def run(self, tensors: dict, scalars: dict, chunk: int = CHUNK):
+    def run(self, tensors: dict, scalars: dict, chunk: int | None = None):
         """Run in place on ``tensors`` (name -> real float32 tensor, all the same shape)."""
+        chunk = chunk or CHUNK
         flat = {name: t.detach().view(-1) for name, t in tensors.items()}
         n = flat["param"].numel()
         if n == 0:

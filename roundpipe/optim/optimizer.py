@@ -19,11 +19,13 @@ import inspect
 import warnings
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import backends
 from .spec.core import Options
 
 SUPPORTED_DTYPES = (torch.float32, torch.complex64)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 
 
@@ -71,20 +73,32 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = self._prepare()
+        work, created = self._prepare()
+        # Every group's scalars are computed on scratch copies of the 0-d state before any
+        # tensor is written: a bad hyperparameter in a later group changes nothing.
+        try:
+            plans = []
+            for gi, (group, options, params, states, init_flags) in enumerate(work):
+                for plan in self._plan_group(gi, group, options, params, states, init_flags):
+                    plans.append((gi, plan))
+        except BaseException:
+            _rollback(self.state, created)
+            raise
         backend = backends.get(self._roundpipe_backend)
         cache = self.__dict__.setdefault("_roundpipe_cache", {})
-        for gi, (group, options, params, states, init_flags) in enumerate(work):
-            for program, scalars, columns in self._plan_group(group, options, params, states, init_flags):
-                backend.run(program, scalars, columns, cache.setdefault(gi, {}))
+        for gi, (program, scalars, columns, writeback) in plans:
+            for targets, value in writeback:
+                torch._foreach_copy_(targets, [value] * len(targets))
+            backend.run(program, scalars, columns, cache.setdefault(gi, {}))
         return loss
 
-    def _plan_group(self, group, options, params, states, init_flags):
-        """Advance the 0-d state and bucket a group's parameters by program and scalars.
+    def _plan_group(self, gi, group, options, params, states, init_flags):
+        """Bucket a group's parameters by program and scalars; compute each bucket's scalars.
 
         Parameters whose 0-d state (``step``, ...) and init flags are equal get equal scalars,
-        so the spec's scalar function runs once per bucket on a scratch copy of that state,
-        and the new 0-d values are copied to every member.
+        so the spec's scalar function runs once per bucket on a scratch copy of that state.
+        Returns ``[(program, scalars, columns, writeback)]``; ``writeback`` lists the 0-d
+        state tensors to set to the scratch's new values when the step is applied.
         """
         spec = self.spec
         names = spec.scalar_state
@@ -105,13 +119,18 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         for (flag_items, _), (members, states) in buckets.items():
             scratch = {n: states[0][n].clone() for n in names}
             values, step_flags = {}, dict(flag_items)
-            for k, v in spec.scalars(group, scratch).items():
-                if isinstance(v, bool):
-                    step_flags[k] = v
-                else:
-                    values[k] = float(v)
-            for n in names:
-                torch._foreach_copy_([st[n] for st in states], [scratch[n]] * len(members))
+            try:
+                for k, v in spec.scalars(group, scratch).items():
+                    if isinstance(v, bool):
+                        step_flags[k] = v
+                    else:
+                        values[k] = float(v)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise type(e)(
+                    f"roundpipe.optim.{type(self).__name__}: param_groups[{gi}]: "
+                    f"cannot compute this step's scalars from the group's hyperparameters: {e}"
+                ) from e
+            writeback = [([st[n] for st in states], scratch[n]) for n in names]
             program = spec.program({**options, **step_flags})
             columns = {}
             for name in program.tensors:
@@ -126,7 +145,7 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 # complex parameters step as their real views, as torch's for-loop does
                 for name, col in columns.items():
                     columns[name] = [torch.view_as_real(t) if t.is_complex() else t for t in col]
-            plans.append((program, values, columns))
+            plans.append((program, values, columns, writeback))
         return plans
 
     # ------------------------------------------------------------------------------------------
@@ -135,12 +154,13 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
 
         If any check fails, the state entries this call created are removed again before the
         error propagates, so a failed step leaves the optimizer exactly as it found it.
-        Returns ``[(group, options, params, states, init_flags)]`` for the params that have a
-        grad.
+        Returns ``([(group, options, params, states, init_flags)], created)`` for the params
+        that have a grad; ``created`` is what ``_rollback`` removes if the step fails later.
         """
         name = type(self).__name__
         spec = self.spec
-        backends.get(self._roundpipe_backend).check_settings()
+        backend = backends.get(self._roundpipe_backend)
+        backend.check_settings()
         work = []
         seen = set()
         for gi, group in enumerate(self.param_groups):
@@ -150,11 +170,20 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
             for pi, p in zip(indices, params, strict=True):
                 if not _param_ok(p, p.grad):
                     _raise_param_error(name, gi, pi, p)
+            if not backend.tensor_subclasses:
+                for pi, p in zip(indices, params, strict=True):
+                    if type(p) not in _PLAIN and is_traceable_wrapper_subclass(p):
+                        raise TypeError(
+                            f"{_where(name, gi, pi, p)} is a {type(p).__name__} (a tensor subclass, "
+                            "e.g. an FSDP2 shard); the fast backend steps plain tensors: use "
+                            "backend='reference'"
+                        )
             ids = list(map(id, params))
             if len(set(ids)) != len(ids) or not seen.isdisjoint(ids):
                 _raise_duplicate(name, gi, indices, params, seen)
             seen.update(ids)
             work.append((gi, group, params, indices))
+        _check_overlap(name, work)
         state = self.state
         created = []  # (state dict, number of entries it had before init_state)
         try:
@@ -175,13 +204,9 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                         _raise_state_error(name, gi, pi, p, st, inputs, scalar_names)
                 prepared.append((group, options, params, states, init_flags))
         except BaseException:
-            for p, st, before in created:
-                for key in list(st)[before:]:
-                    del st[key]
-                if not st:
-                    del state[p]
+            _rollback(state, created)
             raise
-        return prepared
+        return prepared, created
 
 
 def _where(cls_name, gi, pi, p):
@@ -189,6 +214,40 @@ def _where(cls_name, gi, pi, p):
         f"roundpipe.optim.{cls_name}: param_groups[{gi}]['params'][{pi}] "
         f"(shape {tuple(p.shape)}, dtype {p.dtype})"
     )
+
+
+def _check_overlap(cls_name, work):
+    """Refuse parameters that overlap in memory: torch's for-loop and foreach paths give
+    different results for them (each updates in place what the other reads)."""
+    spans = []
+    for gi, _, params, indices in work:
+        for pi, p in zip(indices, params, strict=True):
+            n = p.numel()
+            if n:
+                start = p.data_ptr()
+                spans.append((start, start + n * p.element_size(), gi, pi, p))
+    if len(spans) < 2:
+        return
+    spans.sort(key=lambda s: s[0])
+    end, prev = spans[0][1], spans[0]
+    for span in spans[1:]:
+        if span[0] < end:
+            raise ValueError(
+                f"{_where(cls_name, span[2], span[3], span[4])} overlaps in memory with "
+                f"param_groups[{prev[2]}]['params'][{prev[3]}]; parameters must not share elements"
+            )
+        if span[1] > end:
+            end, prev = span[1], span
+    return
+
+
+def _rollback(state, created):
+    """Remove the state entries a failed step created (``created`` from ``_prepare``)."""
+    for p, st, before in created:
+        for key in list(st)[before:]:
+            del st[key]
+        if not st:
+            del state[p]
 
 
 def _all_equal(states, names):

@@ -3,7 +3,8 @@
 ``roundpipe.optim.set_num_threads(n)`` (or ``ROUNDPIPE_OPTIM_NUM_THREADS``) sets how many
 threads a step uses; by default it follows ``torch.get_num_threads()``. The numexpr engine's
 pool is set to it, and torch's intra-op pool is set to it for the duration of a step (then
-restored), so the two never run more threads than asked for.
+restored), so the two never run more threads than asked for. In a child process created by
+``fork`` the count is 1 (GNU OpenMP hangs in a forked child's parallel regions).
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def get_num_threads() -> int:
             raise ValueError(f"{ENV_VAR}={env!r} is not a positive integer")
         return n
     return torch.get_num_threads()
+
+
+def _after_fork_in_child():
+    # GNU OpenMP cannot run a parallel region in a forked child of a process that ran one (the
+    # child hangs); DataLoader workers and multiprocessing with fork step on one thread.
+    global _num_threads
+    _num_threads = 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

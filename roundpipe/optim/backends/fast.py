@@ -71,6 +71,8 @@ class _Workspace:
 
 class FastBackend:
     name = "fast"
+    # DTensor and other wrapper subclasses cannot be gathered into flat buffers or viewed as numpy
+    tensor_subclasses = False
 
     def __init__(self):
         self._numexpr: dict = {}

@@ -46,6 +46,7 @@ def run_program(program, scalars, tensors):
 
 class ReferenceBackend:
     name = "reference"
+    tensor_subclasses = True  # torch ops on DTensor shards work as in torch.optim
 
     def check_settings(self):
         pass

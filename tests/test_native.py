@@ -1,0 +1,554 @@
+"""The ``native`` backend (``backends/native.py``): spec programs compiled by numba into one loop.
+
+* every optimizer, with a few option combinations, over 12 steps on float32 and complex64
+  parameters of every size class (empty, one element, batched small ones, large ones stepped
+  directly): close to ``torch.optim``'s for-loop, and bit for bit equal to the ``reference``
+  backend once that backend's ``sqrt`` is the correctly rounded one (torch's CPU ``sqrt`` is
+  MKL's, off by one ulp in about a fifth of the elements on the machine this was written on;
+  everything else native computes is torch's rounding, fused multiply-adds included);
+* a program that uses every IR function, with NaN, inf and signed zeros: bit for bit equal to
+  the reference backend, and, compiled without fused multiply-adds, to the numexpr engine (the
+  same formulas; numba contracts nothing on its own);
+* threads (the serial loop on one thread and on small tensors, the parallel one otherwise, with
+  equal results; a forked child steps on one thread), the on-disk kernel cache (a second process
+  compiles nothing and finds torch's thread count unchanged), the fallback to in-memory
+  compilation when the cache cannot be written, and the ImportError without numba.
+
+Kernels are cached in a temporary directory (``ROUNDPIPE_CACHE_DIR``) for this module.
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import token
+import tokenize
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+numba = pytest.importorskip(
+    "numba", reason='the native backend needs numba (optional): pip install "roundpipe[native]"'
+)
+
+import roundpipe.optim  # noqa: E402
+from roundpipe.optim import backends  # noqa: E402
+from roundpipe.optim.backends import fast, native, numexpr_engine, torch_ops  # noqa: E402
+from roundpipe.optim.spec.ir import (  # noqa: E402
+    ProgramBuilder,
+    abs_,
+    add,
+    addcdiv,
+    addcmul,
+    clamp,
+    lerp,
+    maximum,
+    sign,
+    sqrt,
+    where,
+)
+from tests._util import OPTIMIZER_NAMES, RICH_KWARGS, rp_class, torch_class  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.CACHE_ENV_VAR, str(tmp_path_factory.mktemp("roundpipe-cache")))
+        yield
+
+
+def _correct_sqrt(x, out=None):
+    """A correctly rounded float32 sqrt (numpy's), in place of torch's MKL one."""
+    r = torch.from_numpy(np.sqrt(x.detach().numpy()))
+    return r if out is None else out.copy_(r)
+
+
+@pytest.fixture
+def exact_reference(monkeypatch):
+    """The reference backend with a correctly rounded sqrt: what native must equal bit for bit."""
+    monkeypatch.setitem(torch_ops.FUNCTIONS, "sqrt", _correct_sqrt)
+
+
+def _exact():
+    """Whether native models this torch's rounding exactly (it measures it; see torch_fusion)."""
+    return backends.get("native").exact
+
+
+def assert_bits(a, b, msg=""):
+    """Equal bit for bit (a NaN equals any NaN: payloads are not specified)."""
+    a, b = a.detach(), b.detach()
+    if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b):
+        return  # the common case, quickly (torch.equal is False where there are NaNs)
+    if _exact():
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{msg}: {m}")
+    else:  # a torch that rounds in a way native does not model: only close
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True, msg=lambda m: f"{msg}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizers against torch.optim and the reference backend
+
+LARGE = fast.SMALL_NUMEL + 5
+# (shape, dtype): empty, one element, small ones (batched into flat buffers), large ones
+# (stepped directly); complex64 ones of both kinds
+LAYOUT = [
+    ((LARGE,), torch.float32),
+    ((3, 4), torch.float32),
+    ((0,), torch.float32),
+    ((1,), torch.float32),
+    ((7,), torch.float32),
+    ((5,), torch.complex64),
+    ((LARGE // 2 + 3,), torch.complex64),
+]
+STEPS = 12
+TORCH_TOL = dict(rtol=2e-5, atol=1e-5)
+
+# a few option combinations each: the defaults, every branch on (RICH_KWARGS), and maximize
+COMBOS = {name: [{}, RICH_KWARGS[name], {**RICH_KWARGS[name], "maximize": True}] for name in OPTIMIZER_NAMES}
+COMBOS["Adam"].append(dict(lr=0.01, betas=(0.3, 0.5), weight_decay=0.1, decoupled_weight_decay=True))
+COMBOS["SGD"].append(dict(lr=0.01, momentum=0.5, dampening=0.3))
+COMBOS["RMSprop"].append(dict(lr=0.01, alpha=0.3, weight_decay=0.1))
+CASES = [(name, i) for name in OPTIMIZER_NAMES for i in range(len(COMBOS[name]))]
+
+
+def _params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=dtype) for shape, dtype in LAYOUT]
+
+
+def _grads(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(shape, generator=g, dtype=dtype) for shape, dtype in LAYOUT]
+
+
+def _state_tensors(opt, params):
+    return [(i, k, v) for i, p in enumerate(params) for k, v in opt.state[p].items()]
+
+
+@pytest.mark.parametrize(("name", "combo"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_optimizer_matches_torch_and_reference(name, combo, exact_reference, monkeypatch):
+    kwargs = COMBOS[name][combo]
+    if combo == 1:  # every branch on: the parallel kernels, on 2 threads (else the serial ones)
+        monkeypatch.setenv("ROUNDPIPE_OPTIM_NUM_THREADS", "2")
+    base = _params(combo)
+    runs = {}
+    # the reference backend with a correctly rounded sqrt: equal bit for bit; torch.optim: close
+    # (its sqrt is off by an ulp here and there, which cancellation in RMSprop's centered
+    # variance can raise to a few ulps of the results)
+    for label in ("torch", "native", "reference"):
+        params = [torch.nn.Parameter(p.clone()) for p in base]
+        if label == "torch":
+            opt = torch_class(name)(params, foreach=False, **kwargs)
+        else:
+            opt = rp_class(name)(params, backend=label, **kwargs)
+        runs[label] = (opt, params)
+    for step in range(STEPS):
+        grads = _grads(step)
+        for opt, params in runs.values():
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        (o_n, p_n), (o_t, p_t), (o_r, p_r) = runs["native"], runs["torch"], runs["reference"]
+        s_n, s_t, s_r = (_state_tensors(o, p) for o, p in ((o_n, p_n), (o_t, p_t), (o_r, p_r)))
+        assert [(i, k) for i, k, _ in s_n] == [(i, k) for i, k, _ in s_t] == [(i, k) for i, k, _ in s_r]
+        for i, (a, c) in enumerate(zip(p_n, p_r, strict=True)):
+            assert_bits(a, c, f"step {step} param {i} vs reference")
+        for (i, k, a), (_, _, c) in zip(s_n, s_r, strict=True):
+            assert_bits(a, c, f"step {step} state[{i}][{k!r}] vs reference")
+        if step in (0, STEPS // 2, STEPS - 1):  # (assert_close is slow on 64K elements)
+            for i, (a, b) in enumerate(zip(p_n, p_t, strict=True)):
+                torch.testing.assert_close(
+                    a.detach(), b.detach(), **TORCH_TOL, msg=lambda m, i=i: f"param {i}: {m}"
+                )
+            for (i, k, a), (_, _, b) in zip(s_n, s_t, strict=True):
+                torch.testing.assert_close(a, b, **TORCH_TOL, msg=lambda m, i=i, k=k: f"state[{i}][{k}]: {m}")
+    for p, g in zip(runs["native"][1], _grads(STEPS - 1), strict=True):
+        assert torch.equal(p.grad, g), "grad written"
+
+
+def test_one_element_and_empty_parameters_alone():
+    """A single 1-element parameter (stepped directly, not batched) and a lone empty one."""
+    for shape in ((1,), (0,), (1, 1)):
+        p_n, p_t = torch.nn.Parameter(torch.full(shape, 0.5)), torch.nn.Parameter(torch.full(shape, 0.5))
+        o_n = roundpipe.optim.Adam([p_n], lr=0.1, backend="native")
+        o_t = torch.optim.Adam([p_t], lr=0.1, foreach=False)
+        for step in range(3):
+            g = torch.full(shape, 0.25 * (step + 1))
+            p_n.grad, p_t.grad = g.clone(), g.clone()
+            o_n.step()
+            o_t.step()
+        torch.testing.assert_close(p_n.detach(), p_t.detach(), **TORCH_TOL)
+        if p_n.numel():
+            assert p_n.item() != 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# one program with every function, and edge values
+
+INPUTS = ("param", "grad", "buf", "acc")
+
+
+def _every_function_program():
+    b = ProgramBuilder(INPUTS)
+    s = b.s
+    param, grad, buf, acc = (b.tensor(n) for n in INPUTS)
+    g = b.let("g", add(grad, param, alpha=s.wd))
+    g = b.let("g", where(g > 0.5, -g, where(g <= -2.0, g * 0.5, g)))
+    b.assign(buf, lerp(buf, g, s.w))
+    b.assign(acc, maximum(addcmul(acc * s.beta, g, g, value=s.one_minus_beta), abs_(buf) / 4.0))
+    d = b.let("d", sqrt(acc) + s.eps)
+    u = b.let("u", clamp(addcdiv(buf - buf, g, d, value=s.one), s.lo, s.hi))
+    b.assign(param, addcdiv(param, buf, d, value=s.neg_lr) - u * s.lr + sign(grad) * s.tiny + 0.5 / (d + 1.0))
+    b.assign(param, where(param >= 3.0, 3.0 - param, 1.0 + (param - 1.0)))
+    old = b.let("old", param)  # a snapshot: later writes to param do not change it
+    b.assign(
+        param, addcmul(param, grad, grad, value=1.0) + add(old, buf, alpha=-1.0) + add(old, buf, alpha=1.0)
+    )
+    b.assign(buf, old * 2.0)
+    return b.build()
+
+
+SCALARS = dict(
+    wd=0.1, beta=0.9, one_minus_beta=0.1, eps=1e-8, one=1.0, lo=-0.3, hi=0.3, neg_lr=-0.01, lr=0.01
+)
+
+
+def _inputs(n=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = {k: torch.randn(n, generator=g) for k in INPUTS}
+    t["acc"] = t["acc"].abs()
+    special = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-45, -3e38, 0.5, -2.0]
+    for j, k in enumerate(INPUTS):
+        for i, v in enumerate(special):
+            t[k][10 * j + i] = v
+    return t
+
+
+def _run(backend_name, prog, t, sc):
+    backends.get(backend_name).run(prog, sc, {k: [v] for k, v in t.items()})
+
+
+@pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.parametrize("w", [0.1, 0.9], ids=["lerp-small", "lerp-large"])
+@pytest.mark.parametrize("n", [1, 3, 1000, LARGE])
+def test_every_function_bit_for_bit(w, n, nthreads, exact_reference, monkeypatch):
+    monkeypatch.setenv("ROUNDPIPE_OPTIM_NUM_THREADS", str(nthreads))
+    prog = _every_function_program()
+    sc = dict(SCALARS, w=w, tiny=1e-3)
+    base = _inputs(max(n, 40))
+    base = {k: v[:n].clone() for k, v in base.items()}
+    out = {}
+    for label in ("native", "reference"):
+        t = {k: v.clone() for k, v in base.items()}
+        _run(label, prog, t, sc)
+        out[label] = t
+    for k in INPUTS:
+        assert_bits(out["native"][k], out["reference"][k], k)
+        assert torch.equal(out["native"][k].isnan(), out["reference"][k].isnan()), k
+    assert torch.equal(out["native"]["grad"].view(torch.int32), base["grad"].view(torch.int32))
+
+
+@pytest.mark.parametrize("w", [0.1, 0.9], ids=["lerp-small", "lerp-large"])
+def test_without_fma_native_is_the_numexpr_engine_bit_for_bit(w):
+    """Compiled with no fused multiply-add, the kernel computes numexpr_engine's formulas in
+    float32 with the same rounding: numba neither contracts nor widens anything by itself."""
+    prog = _every_function_program()
+    sc = dict(SCALARS, w=w, tiny=1e-3)
+    weights = numexpr_engine.lerp_weights(prog)
+    variant = numexpr_engine.lerp_variant(sc, weights)
+    env = numexpr_engine.scalar_env(sc, weights)
+    kernel = native.compile_kernel(prog, variant, fused=frozenset())
+    assert "fma(" not in kernel.source.source
+    base = _inputs(LARGE)
+    t_numexpr = {k: v.clone() for k, v in base.items()}
+    numexpr_engine.compile_program(prog, variant).run(t_numexpr, env)
+    for parallel in (True, False):
+        t_native = {k: v.clone() for k, v in base.items()}
+        kernel.run(t_native, env, parallel=parallel)
+        for k in INPUTS:
+            torch.testing.assert_close(
+                t_native[k], t_numexpr[k], rtol=0, atol=0, equal_nan=True, msg=f"{k} parallel={parallel}"
+            )
+
+
+def test_fma_is_used_where_torch_fuses():
+    """This torch (vectorized CPU kernels) rounds add-with-alpha, addcmul and lerp once; the
+    probe finds that, and the kernels call fma exactly there."""
+    fused, exact = native.torch_fusion()
+    assert exact
+    assert fused <= {"add", "addcmul", "lerp"}
+    src = native.kernel_source(
+        _every_function_program(), (True,), fused=frozenset({"add", "addcmul", "lerp"})
+    )
+    # add(alpha=wd), addcmul(value=...), lerp, addcmul(value=1), in each of the two loops
+    assert src.count("fma(") == 2 * 4
+    assert "from roundpipe.optim.backends.native import fma" in src
+
+
+def test_generated_source_reads_once_writes_once_and_has_no_literals():
+    prog = _every_function_program()
+    ks = native.generate(prog, (False,), fused=frozenset({"add"}))
+    par, ser = ks.source.split("def kernel_parallel(", 1)[1].split("def kernel_serial(")
+    assert par.splitlines()[1].strip() == "for i in prange(n):"
+    assert ser.splitlines()[1].strip() == "for i in range(n):"
+    assert par.splitlines()[2:] == ser.splitlines()[2:] + ["", ""]  # the same loop body
+    lines = [ln.strip() for ln in ser.splitlines()[2:] if ln.strip()]
+    for i, name in enumerate(prog.tensors):
+        array = f"t{i}_{name}"
+        reads = [ln for ln in lines if ln.endswith(f"= {array}[i]")]
+        writes = [ln for ln in lines if ln.startswith(f"{array}[i] =")]
+        assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(writes), name
+        assert len(writes) == (1 if name in prog.targets else 0), name
+    assert lines[-len(prog.targets) :] == [ln for ln in lines if ln.startswith("t")]  # stores last
+    # numba types a Python float literal as float64: every number must be a float32 argument
+    numbers = [
+        t.string for t in tokenize.generate_tokens(io.StringIO(ks.source).readline) if t.type == token.NUMBER
+    ]
+    assert numbers == [], numbers
+    assert ks.consts and all(type(c) is np.float32 for c in ks.consts)
+
+
+def test_kernel_types_are_float32():
+    prog = _every_function_program()
+    k = backends.get("native").kernel(prog, (True,))
+    t = _inputs(native.PARALLEL_MIN_NUMEL)
+    sc = dict(SCALARS, w=0.1, tiny=1e-3)
+    for parallel in (True, False):
+        k.run(t, numexpr_engine.scalar_env(sc, numexpr_engine.lerp_weights(prog)), parallel=parallel)
+    nt = len(prog.tensors)
+    for dispatcher in k.dispatchers:
+        (sig,) = dispatcher.signatures
+        assert [str(a) for a in sig[1 + nt :]] == ["float32"] * (len(sig) - 1 - nt)
+        assert all(a.dtype == numba.float32 and a.ndim == 1 and a.layout == "C" for a in sig[1 : 1 + nt])
+
+
+def test_small_tensors_run_the_serial_loop_even_with_threads():
+    k = native.compile_kernel(_tiny_program(7), ())
+    small = {
+        "param": torch.ones(native.PARALLEL_MIN_NUMEL - 1),
+        "grad": torch.ones(native.PARALLEL_MIN_NUMEL - 1),
+    }
+    k.run(small, {"s_x": np.float32(2.0)}, parallel=True)
+    assert k.serial.signatures and not k.parallel.signatures
+    assert torch.equal(small["param"], torch.full_like(small["param"], 9.0))
+    large = {"param": torch.ones(native.PARALLEL_MIN_NUMEL), "grad": torch.ones(native.PARALLEL_MIN_NUMEL)}
+    k.run(large, {"s_x": np.float32(2.0)}, parallel=True)
+    assert k.parallel.signatures
+    assert torch.equal(large["param"], torch.full_like(large["param"], 9.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# threads
+
+
+def opt_program(opt):
+    """The program an AdamW optimizer's (only) group steps with."""
+    group = opt.param_groups[0]
+    return opt.spec.program(opt.spec.options(group))
+
+
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_threads_follow_roundpipe_setting_and_results_do_not_change(nthreads, monkeypatch):
+    monkeypatch.setattr(roundpipe.optim.threads, "_num_threads", None)
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(3 * LARGE, generator=g)
+    grads = [torch.randn(3 * LARGE, generator=g) for _ in range(3)]
+    out = {}
+    for n in (1, nthreads):
+        roundpipe.optim.set_num_threads(n)
+        p = torch.nn.Parameter(base.clone())
+        opt = roundpipe.optim.AdamW([p], lr=0.01, backend="native")
+        for gr in grads:
+            p.grad = gr.clone()
+            opt.step()
+            if n > 1:
+                assert numba.get_num_threads() == min(n, numba.config.NUMBA_NUM_THREADS)
+        out[n] = p.detach().clone()
+    (kernel,) = [k for k in backends.get("native")._native.values() if k.program is opt_program(opt)]
+    assert kernel.serial.signatures, "one thread: the serial kernel"
+    if nthreads > 1:
+        assert kernel.parallel.signatures, "two threads: the parallel kernel"
+    roundpipe.optim.set_num_threads(None)
+    torch.testing.assert_close(out[1], out[nthreads], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_steps_on_one_thread(tmp_path, monkeypatch):
+    """After a parallel step, a forked child (one thread there) steps with the serial kernel;
+    numba's OpenMP pool, used there, would abort the child."""
+    monkeypatch.setattr(roundpipe.optim.threads, "_num_threads", None)
+    roundpipe.optim.set_num_threads(2)
+    g = torch.Generator().manual_seed(4)
+    p = torch.nn.Parameter(torch.randn(LARGE, generator=g))
+    opt = roundpipe.optim.Adam([p], lr=0.01, backend="native")
+    grads = [torch.randn(LARGE, generator=g) for _ in range(2)]
+    p.grad = grads[0]
+    opt.step()
+    roundpipe.optim.set_num_threads(None)
+    out = tmp_path / "child.pt"
+    pid = os.fork()
+    if pid == 0:  # the child: step, save, exit without running pytest's teardown
+        code = 1
+        try:
+            p.grad = grads[1]
+            opt.step()
+            torch.save((roundpipe.optim.get_num_threads(), p.detach().clone()), out)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    child_threads, child_param = torch.load(out)
+    assert child_threads == 1
+    p.grad = grads[1]
+    opt.step()
+    torch.testing.assert_close(child_param, p.detach(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the on-disk cache
+
+_LATENCY_SCRIPT = textwrap.dedent(
+    """
+    import json, os, time, torch
+    import roundpipe.optim
+    from roundpipe.optim import backends
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (100, 1000, 70000)]
+    opt = roundpipe.optim.Adam(params, lr=0.01, weight_decay=0.1, backend="native")
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    t0 = time.perf_counter()
+    opt.step()
+    latency = time.perf_counter() - t0
+    kernels = list(backends.get("native")._native.values())
+    print(json.dumps({
+        "latency": latency,
+        "hits": sum(sum(d.stats.cache_hits.values()) for k in kernels for d in k.dispatchers),
+        "misses": sum(sum(d.stats.cache_misses.values()) for k in kernels for d in k.dispatchers),
+        "on_disk": [k.cached_on_disk for k in kernels],
+        "param0": params[0].detach()[:4].tolist(),
+        "torch_threads": torch.get_num_threads(),
+    }))
+    """
+)
+
+
+def _first_step(env):
+    res = subprocess.run(
+        [sys.executable, "-c", _LATENCY_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_compiles_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_")}
+    env.update({native.CACHE_ENV_VAR: str(tmp_path), "ROUNDPIPE_OPTIM_NUM_THREADS": "1"})
+    cold = _first_step(env)
+    warm = _first_step(env)
+    assert cold["on_disk"] == warm["on_disk"] == [True]
+    assert cold["misses"] >= 1 and cold["hits"] == 0, cold
+    assert warm["misses"] == 0 and warm["hits"] >= 1, warm
+    assert warm["param0"] == cold["param0"]
+    # numba's OpenMP pool sets the process's OpenMP thread count when it starts: the step puts
+    # torch's back
+    assert cold["torch_threads"] == warm["torch_threads"] == 1
+    assert warm["latency"] < cold["latency"], (cold["latency"], warm["latency"])
+    sources = list((tmp_path / "native").glob("roundpipe_native_*.py"))
+    assert len(sources) == 1
+    cached = {p.suffix for p in (tmp_path / "native" / "__pycache__").iterdir()}
+    assert {".nbi", ".nbc"} <= cached
+
+
+def test_cache_dir_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.CACHE_ENV_VAR, str(tmp_path / "rp"))
+    assert native.cache_dir() == str(tmp_path / "rp" / "native")
+    monkeypatch.delenv(native.CACHE_ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_dir() == str(tmp_path / "xdg" / "roundpipe" / "native")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert native.cache_dir() == str(tmp_path / "home" / ".cache" / "roundpipe" / "native")
+
+
+def _tiny_program(k):
+    """A distinct small program per ``k`` (a new kernel to compile)."""
+    b = ProgramBuilder(("param", "grad"))
+    b.assign(b.tensor("param"), b.tensor("param") * b.s.x + b.tensor("grad") * float(k))
+    return b.build()
+
+
+def _read_only_dir(tmp_path, how):
+    if how == "under-a-file":  # no one, root included, can create a directory under a file
+        (tmp_path / "file").write_text("")
+        return tmp_path / "file" / "cache"
+    if os.geteuid() == 0:
+        pytest.skip("root can write a read-only directory")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    return ro
+
+
+@pytest.mark.parametrize("how", ["under-a-file", "chmod-555"])
+def test_unwritable_cache_dir_compiles_in_memory_and_warns_once(how, tmp_path, monkeypatch):
+    directory = _read_only_dir(tmp_path, how)
+    monkeypatch.setenv(native.CACHE_ENV_VAR, str(directory))
+    monkeypatch.setattr(native, "_modules", {})
+    monkeypatch.setattr(native, "_warned_readonly", False)
+    be = native.NativeBackend()
+    results = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in (3, 5):
+            prog = _tiny_program(k)
+            t = {"param": torch.full((10,), 2.0), "grad": torch.full((10,), 0.5)}
+            be.run(prog, {"x": 0.5}, {n: [v] for n, v in t.items()})
+            results.append(t["param"])
+            assert not be.kernel(prog, ()).cached_on_disk
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert "cannot write its kernel cache" in messages[0] and native.CACHE_ENV_VAR in messages[0]
+    assert str(directory / "native") in messages[0]
+    assert torch.equal(results[0], torch.full((10,), 2.5)) and torch.equal(results[1], torch.full((10,), 3.5))
+    if how == "chmod-555":
+        assert list(directory.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# registration and numba missing
+
+
+def test_registered_and_selectable(monkeypatch):
+    assert "native" in backends.NAMES
+    assert backends.get("native").name == "native"
+    assert isinstance(backends.get("native"), native.NativeBackend)
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert roundpipe.optim.SGD([p], lr=0.1, backend="native").backend == "native"
+    monkeypatch.setenv("ROUNDPIPE_OPTIM_BACKEND", "native")
+    assert roundpipe.optim.SGD([p], lr=0.1).backend == "native"
+    # the fast backend's engine setting does not apply to native
+    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "numexpr")
+    opt = roundpipe.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((3,), -0.1))
+
+
+def test_without_numba_construction_raises_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numba", None)  # "import numba" raises ImportError
+    monkeypatch.setattr(backends, "_instances", {})
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ImportError, match=r'pip install "roundpipe\[native\]"'):
+        roundpipe.optim.Adam([p], backend="native")
+    monkeypatch.setenv("ROUNDPIPE_OPTIM_BACKEND", "native")
+    with pytest.raises(ImportError, match="numba"):
+        roundpipe.optim.Adam([p])
+    # the other backends do not need it
+    assert roundpipe.optim.Adam([p], backend="fast").backend == "fast"

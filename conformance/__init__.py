@@ -1,0 +1,11 @@
+"""Conformance suite: every ``roundpipe.optim`` optimizer, on both backends, against torch.optim.
+
+* ``cases.py``            the table of cases: one (optimizer, kwargs) per entry;
+* ``harness.py``          the parameter set, the gradients, the step-by-step comparison and the
+  error statistics;
+* ``test_conformance.py`` one test per (case, backend);
+* ``conftest.py``         the end-of-session summary table (and JSON report).
+
+Run with ``pytest conformance/``. Set ``ROUNDPIPE_CONFORMANCE_REPORT=path.json`` to also get
+the summary as JSON.
+"""

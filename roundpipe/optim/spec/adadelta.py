@@ -2,6 +2,7 @@
 
 import torch
 
+from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
 from .ir import add, addcmul, sqrt
 
@@ -36,12 +37,9 @@ def scalars(group, state):
 
 def program(o, b):
     s = b.s
-    param, grad = b.tensor("param"), b.tensor("grad")
+    param = b.tensor("param")
     square_avg, acc_delta = b.tensor("square_avg"), b.tensor("acc_delta")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    grad = gradient(o, b)
     b.assign(square_avg, addcmul(square_avg * s.rho, grad, grad, value=s.one_minus_rho))
     std = b.let("std", sqrt(square_avg + s.eps))
     delta = b.let("delta", sqrt(acc_delta + s.eps) / std * grad)

@@ -6,8 +6,9 @@ in a way that bypasses it, as torch's ``_init_group`` does.
 
 import torch
 
+from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, value, zero_step
-from .ir import add, addcdiv, addcmul, sqrt
+from .ir import addcdiv, addcmul, sqrt
 
 
 def init_state(group, p, state):
@@ -37,11 +38,8 @@ def inputs(o):
 
 def program(o, b):
     s = b.s
-    param, grad, state_sum = b.tensor("param"), b.tensor("grad"), b.tensor("sum")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    param, state_sum = b.tensor("param"), b.tensor("sum")
+    grad = gradient(o, b)
     b.assign(state_sum, addcmul(state_sum, grad, grad, value=1))
     std = b.let("std", sqrt(state_sum) + s.eps)
     b.assign(param, addcdiv(param, grad, std, value=s.neg_clr))

@@ -6,8 +6,9 @@ AdamW is this spec with ``decoupled_weight_decay=True`` in its param groups, exa
 
 import torch
 
+from .blocks import adam_moments, gradient, moment_scalars, weight_decay_scalars
 from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
-from .ir import add, addcdiv, addcmul, lerp, maximum, sqrt
+from .ir import addcdiv, maximum, sqrt
 
 
 def init_state(group, p, state):
@@ -31,7 +32,6 @@ def options(group):
 def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = (to_scalar(b) for b in group["betas"])
-    weight_decay = group["weight_decay"]
     step_t = state["step"]
     step_t += 1
     step = value(step_t)
@@ -39,11 +39,8 @@ def scalars(group, state):
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     return {
-        "weight_decay": weight_decay,
-        "weight_decay_factor": 1 - lr * weight_decay,
-        "one_minus_beta1": 1 - beta1,
-        "beta2": beta2,
-        "one_minus_beta2": 1 - beta2,
+        **weight_decay_scalars(group, lr),
+        **moment_scalars(beta1, beta2),
         "bias_correction2_sqrt": bias_correction2**0.5,
         "eps": group["eps"],
         "neg_step_size": -step_size,
@@ -56,17 +53,10 @@ def inputs(o):
 
 def program(o, b):
     s = b.s
-    param, grad = b.tensor("param"), b.tensor("grad")
+    param = b.tensor("param")
     exp_avg, exp_avg_sq = b.tensor("exp_avg"), b.tensor("exp_avg_sq")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        if o.decoupled_weight_decay:
-            b.assign(param, param * s.weight_decay_factor)
-        else:
-            grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
-    b.assign(exp_avg, lerp(exp_avg, grad, s.one_minus_beta1))
-    b.assign(exp_avg_sq, addcmul(exp_avg_sq * s.beta2, grad, grad, value=s.one_minus_beta2))
+    grad = gradient(o, b)
+    adam_moments(b, grad)
     second_moment = exp_avg_sq
     if o.amsgrad:
         second_moment = b.assign(b.tensor("max_exp_avg_sq"), maximum(b.tensor("max_exp_avg_sq"), exp_avg_sq))

@@ -6,8 +6,9 @@ propagates from either side as in torch.
 
 import torch
 
+from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
-from .ir import abs_, add, addcdiv, lerp, maximum
+from .ir import abs_, addcdiv, lerp, maximum
 
 
 def init_state(group, p, state):
@@ -43,12 +44,9 @@ def scalars(group, state):
 
 def program(o, b):
     s = b.s
-    param, grad = b.tensor("param"), b.tensor("grad")
+    param = b.tensor("param")
     exp_avg, exp_inf = b.tensor("exp_avg"), b.tensor("exp_inf")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    grad = gradient(o, b)
     b.assign(exp_avg, lerp(exp_avg, grad, s.one_minus_beta1))
     b.assign(exp_inf, maximum(exp_inf * s.beta2, abs_(grad) + s.eps))
     b.assign(param, addcdiv(param, exp_avg, exp_inf, value=s.neg_clr))

@@ -8,6 +8,7 @@ between averaging into ``ax`` and copying the parameter.
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
+from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, value, zeros_like
 from .ir import add
 
@@ -51,11 +52,8 @@ def scalars(group, state):
 
 def program(o, b):
     s = b.s
-    param, grad, ax = b.tensor("param"), b.tensor("grad"), b.tensor("ax")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    param, ax = b.tensor("param"), b.tensor("ax")
+    grad = gradient(o, b)
     b.assign(param, param * s.decay)
     b.assign(param, add(param, grad, alpha=s.neg_eta))
     if o.average:

@@ -6,8 +6,9 @@ torch does; the two ``addcdiv`` coefficients are computed from its float32 value
 
 import torch
 
+from .blocks import adam_moments, gradient, moment_scalars, weight_decay_scalars
 from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
-from .ir import add, addcdiv, addcmul, lerp, sqrt
+from .ir import addcdiv, sqrt
 
 
 def init_state(group, p, state):
@@ -33,7 +34,7 @@ def inputs(o):
 def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = group["betas"]
-    weight_decay, momentum_decay = group["weight_decay"], group["momentum_decay"]
+    momentum_decay = group["momentum_decay"]
     step_t, mu_product = state["step"], state["mu_product"]
     step_t += 1
     step = value(step_t)
@@ -43,11 +44,8 @@ def scalars(group, state):
     mu_product *= mu
     mu_product_next = value(mu_product) * mu_next
     return {
-        "weight_decay": weight_decay,
-        "weight_decay_factor": 1 - lr * weight_decay,
-        "one_minus_beta1": 1 - beta1,
-        "beta2": beta2,
-        "one_minus_beta2": 1 - beta2,
+        **weight_decay_scalars(group, lr),
+        **moment_scalars(beta1, beta2),
         "bias_correction2": bias_correction2,
         "eps": group["eps"],
         "grad_coef": -lr * (1.0 - mu) / (1.0 - value(mu_product)),
@@ -57,17 +55,10 @@ def scalars(group, state):
 
 def program(o, b):
     s = b.s
-    param, grad = b.tensor("param"), b.tensor("grad")
+    param = b.tensor("param")
     exp_avg, exp_avg_sq = b.tensor("exp_avg"), b.tensor("exp_avg_sq")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        if o.decoupled_weight_decay:
-            b.assign(param, param * s.weight_decay_factor)
-        else:
-            grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
-    b.assign(exp_avg, lerp(exp_avg, grad, s.one_minus_beta1))
-    b.assign(exp_avg_sq, addcmul(exp_avg_sq * s.beta2, grad, grad, value=s.one_minus_beta2))
+    grad = gradient(o, b)
+    adam_moments(b, grad)
     denom = b.let("denom", sqrt(exp_avg_sq / s.bias_correction2) + s.eps)
     b.assign(param, addcdiv(param, grad, denom, value=s.grad_coef))
     b.assign(param, addcdiv(param, exp_avg, denom, value=s.exp_avg_coef))

@@ -6,8 +6,9 @@ program, as torch's Python ``if`` does.
 
 import torch
 
+from .blocks import adam_moments, gradient, moment_scalars, weight_decay_scalars
 from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
-from .ir import add, addcmul, lerp, sqrt
+from .ir import add, sqrt
 
 
 def init_state(group, p, state):
@@ -32,7 +33,6 @@ def inputs(o):
 def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = group["betas"]
-    weight_decay = group["weight_decay"]
     step_t = state["step"]
     step_t += 1
     step = value(step_t)
@@ -43,11 +43,8 @@ def scalars(group, state):
     rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
     out = {
         "rectify": bool(rho_t > 5.0),
-        "weight_decay": weight_decay,
-        "weight_decay_factor": 1 - lr * weight_decay,
-        "one_minus_beta1": 1 - beta1,
-        "beta2": beta2,
-        "one_minus_beta2": 1 - beta2,
+        **weight_decay_scalars(group, lr),
+        **moment_scalars(beta1, beta2),
         "bias_correction1": bias_correction1,
         "lr": lr,
     }
@@ -60,17 +57,10 @@ def scalars(group, state):
 
 def program(o, b):
     s = b.s
-    param, grad = b.tensor("param"), b.tensor("grad")
+    param = b.tensor("param")
     exp_avg, exp_avg_sq = b.tensor("exp_avg"), b.tensor("exp_avg_sq")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        if o.decoupled_weight_decay:
-            b.assign(param, param * s.weight_decay_factor)
-        else:
-            grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
-    b.assign(exp_avg, lerp(exp_avg, grad, s.one_minus_beta1))
-    b.assign(exp_avg_sq, addcmul(exp_avg_sq * s.beta2, grad, grad, value=s.one_minus_beta2))
+    grad = gradient(o, b)
+    adam_moments(b, grad)
     bias_corrected_exp_avg = exp_avg / s.bias_correction1
     if o.rectify:
         adaptive_lr = b.let("adaptive_lr", s.bias_correction2_sqrt / (sqrt(exp_avg_sq) + s.eps))

@@ -2,6 +2,7 @@
 
 import torch
 
+from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
 from .ir import add, addcdiv, addcmul, lerp, sqrt
 
@@ -50,11 +51,8 @@ def scalars(group, state):
 
 def program(o, b):
     s = b.s
-    param, grad, square_avg = b.tensor("param"), b.tensor("grad"), b.tensor("square_avg")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    param, square_avg = b.tensor("param"), b.tensor("square_avg")
+    grad = gradient(o, b)
     b.assign(square_avg, addcmul(square_avg * s.alpha, grad, grad, value=s.one_minus_alpha))
     if o.centered:
         grad_avg = b.tensor("grad_avg")

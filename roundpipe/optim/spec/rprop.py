@@ -7,6 +7,7 @@ torch, a NaN product counts as 0 (torch.sign(NaN) is 0 on the CPU).
 
 import torch
 
+from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
 from .ir import addcmul, clamp, sign, where
 
@@ -43,10 +44,9 @@ def scalars(group, state):
 
 def program(o, b):
     s = b.s
-    param, grad = b.tensor("param"), b.tensor("grad")
+    param = b.tensor("param")
     prev, step_size = b.tensor("prev"), b.tensor("step_size")
-    if o.maximize:
-        grad = b.let("grad", -grad)
+    grad = gradient(o, b)
     direction = b.let("direction", grad * prev)  # torch: sign = grad.mul(prev).sign()
     factor = b.let("factor", where(direction > 0, s.etaplus, where(direction < 0, s.etaminus, 1.0)))
     b.assign(step_size, clamp(step_size * factor, s.step_size_min, s.step_size_max))

@@ -7,6 +7,7 @@ selects that program for the step.
 
 import torch
 
+from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, zeros_like
 from .ir import add
 
@@ -46,11 +47,8 @@ def inputs(o):
 
 def program(o, b):
     s = b.s
-    param, grad = b.tensor("param"), b.tensor("grad")
-    if o.maximize:
-        grad = b.let("grad", -grad)
-    if o.weight_decay:
-        grad = b.let("grad", add(grad, param, alpha=s.weight_decay))
+    param = b.tensor("param")
+    grad = gradient(o, b)
     if o.momentum:
         buf = b.tensor("momentum_buffer")
         if o.first:

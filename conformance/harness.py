@@ -40,13 +40,14 @@ Non-finite values must match exactly (same positions, same values); otherwise th
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
+
+from roundpipe.optim.threads import torch_threads
 
 from .cases import Case
 
@@ -454,20 +455,6 @@ def check_step(runs, backend, grads, losses, ctx):
     if backend != "reference":
         xp, xopt = runs["reference"]
         compare_optimizers(rp, ropt, xp, xopt, ctx, f"{backend}-vs-reference")
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's intra-op pool with ``n`` threads inside the block."""
-    current = torch.get_num_threads()
-    if current == n:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(current)
 
 
 def harness_threads():

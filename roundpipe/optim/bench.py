@@ -53,20 +53,10 @@ import numpy as np
 import torch
 
 from roundpipe import optim as rp_optim
+from roundpipe.optim.spec import SPECS
 
-ALL_OPTIMIZERS = (
-    "Adadelta",
-    "Adagrad",
-    "Adam",
-    "Adamax",
-    "AdamW",
-    "ASGD",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-    "Rprop",
-    "SGD",
-)
+# the eleven optimizers, in the spec registry's order
+ALL_OPTIMIZERS = tuple(SPECS)
 
 # Representative settings: torch's defaults, except SGD with momentum (plain SGD is rare).
 OPTIONS = {name: {} for name in ALL_OPTIMIZERS}

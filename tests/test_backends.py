@@ -404,28 +404,36 @@ def test_default_engine_is_torch(monkeypatch):
     prog = _every_function_program()
     sc = dict(SCALARS, w=0.3, tiny=1e-3)
     variant = numexpr_engine.lerp_variant(sc, numexpr_engine.lerp_weights(prog))
-    assert fast.FastBackend().engine(prog, variant, sc, 1) == "torch"
+    assert fast.FastBackend().engine(prog, variant, 1) == "torch"
+    assert backends.get("fast:numexpr").engine(prog, variant, 1) == "numexpr"
+    assert backends.get("fast:torch").engine(prog, variant, 1) == "torch"
 
 
-def test_auto_engine_is_measured_once_and_valid(monkeypatch):
+def test_auto_engine_is_measured_once_per_machine_and_remembered(monkeypatch, tmp_path):
     """With ROUNDPIPE_OPTIM_ENGINE=auto the fast backend times both engines once per program
-    variant and keeps the choice; a bad setting is rejected."""
+    variant and thread count, and remembers the choice on disk: a new process (here: the
+    in-memory memo cleared) takes the same engine without measuring; a bad setting is rejected."""
+    monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fast, "_choices", {})
     monkeypatch.setenv(fast.ENGINE_ENV_VAR, "auto")
     prog = _every_function_program()
     sc = dict(SCALARS, w=0.3, tiny=1e-3)
     be = fast.FastBackend()
     variant = numexpr_engine.lerp_variant(sc, numexpr_engine.lerp_weights(prog))
-    choice = be.engine(prog, variant, sc, 1)
+    choice = be.engine(prog, variant, 1)
     assert choice in ("numexpr", "torch")
+    assert (tmp_path / "engines.json").exists()
     calls = []
-    monkeypatch.setattr(be, "_calibrate", lambda *a: calls.append(a) or "torch")
-    assert be.engine(prog, variant, sc, 1) == choice
+    monkeypatch.setattr(fast, "_calibrate", lambda *a: calls.append(a) or "other")
+    assert be.engine(prog, variant, 1) == choice
+    monkeypatch.setattr(fast, "_choices", {})  # as in a new process
+    assert be.engine(prog, variant, 1) == choice
     assert not calls, "calibrated twice"
     monkeypatch.setenv(fast.ENGINE_ENV_VAR, "numexpr")
-    assert be.engine(prog, variant, sc, 1) == "numexpr"
+    assert be.engine(prog, variant, 1) == "numexpr"
     monkeypatch.setenv(fast.ENGINE_ENV_VAR, "gpu")
     with pytest.raises(ValueError, match="gpu"):
-        be.engine(prog, variant, sc, 1)
+        be.engine(prog, variant, 1)
 
 
 def test_auto_engine_results(monkeypatch):

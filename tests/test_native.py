@@ -266,12 +266,12 @@ def test_without_fma_native_is_the_numexpr_engine_bit_for_bit(w):
     base = _inputs(LARGE)
     t_numexpr = {k: v.clone() for k, v in base.items()}
     numexpr_engine.compile_program(prog, variant).run(t_numexpr, env)
-    for parallel in (True, False):
+    for nthreads in (1, 2):
         t_native = {k: v.clone() for k, v in base.items()}
-        kernel.run(t_native, env, parallel=parallel)
+        kernel.run(t_native, env, nthreads=nthreads)
         for k in INPUTS:
             torch.testing.assert_close(
-                t_native[k], t_numexpr[k], rtol=0, atol=0, equal_nan=True, msg=f"{k} parallel={parallel}"
+                t_native[k], t_numexpr[k], rtol=0, atol=0, equal_nan=True, msg=f"{k} nthreads={nthreads}"
             )
 
 
@@ -286,29 +286,33 @@ def test_fma_is_used_where_torch_fuses():
     )
     # add(alpha=wd), addcmul(value=...), lerp, addcmul(value=1), in each of the two loops
     assert src.count("fma(") == 2 * 4
-    assert "from roundpipe.optim.backends.native import fma" in src
+    assert "from roundpipe.optim.backends.native import f32ptr, fma" in src
 
 
 def test_generated_source_reads_once_writes_once_and_has_no_literals():
     prog = _every_function_program()
     ks = native.generate(prog, (False,), fused=frozenset({"add"}))
     par, ser = ks.source.split("def kernel_parallel(", 1)[1].split("def kernel_serial(")
-    assert par.splitlines()[1].strip() == "for i in prange(n):"
-    assert ser.splitlines()[1].strip() == "for i in range(n):"
+    assert par.splitlines()[1].strip() == "for w in prange(nthreads):"  # one parallel region
+    assert ser.splitlines()[1].strip() == "for w in range(nthreads):"
     assert par.splitlines()[2:] == ser.splitlines()[2:] + ["", ""]  # the same loop body
     lines = [ln.strip() for ln in ser.splitlines()[2:] if ln.strip()]
     for i, name in enumerate(prog.tensors):
         array = f"t{i}_{name}"
         reads = [ln for ln in lines if ln.endswith(f"= {array}[i]")]
         writes = [ln for ln in lines if ln.startswith(f"{array}[i] =")]
-        assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(writes), name
+        binds = [ln for ln in lines if ln.startswith(f"{array} = carray(")]
+        assert len(binds) == 1, name
+        assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(writes) + 1, name
         assert len(writes) == (1 if name in prog.targets else 0), name
-    assert lines[-len(prog.targets) :] == [ln for ln in lines if ln.startswith("t")]  # stores last
-    # numba types a Python float literal as float64: every number must be a float32 argument
+    stores = [ln for ln in lines if "[i] =" in ln]
+    assert lines[-len(prog.targets) :] == stores  # stores last
+    # numba types a Python float literal as float64: every float is a float32 read from sv; the
+    # only literals are integer indices
     numbers = [
         t.string for t in tokenize.generate_tokens(io.StringIO(ks.source).readline) if t.type == token.NUMBER
     ]
-    assert numbers == [], numbers
+    assert all(n.isdigit() for n in numbers), numbers
     assert ks.consts and all(type(c) is np.float32 for c in ks.consts)
 
 
@@ -317,28 +321,42 @@ def test_kernel_types_are_float32():
     k = backends.get("native").kernel(prog, (True,))
     t = _inputs(native.PARALLEL_MIN_NUMEL)
     sc = dict(SCALARS, w=0.1, tiny=1e-3)
-    for parallel in (True, False):
-        k.run(t, numexpr_engine.scalar_env(sc, numexpr_engine.lerp_weights(prog)), parallel=parallel)
-    nt = len(prog.tensors)
+    for nthreads in (1, 2):
+        k.run(t, numexpr_engine.scalar_env(sc, numexpr_engine.lerp_weights(prog)), nthreads=nthreads)
     for dispatcher in k.dispatchers:
-        (sig,) = dispatcher.signatures
-        assert [str(a) for a in sig[1 + nt :]] == ["float32"] * (len(sig) - 1 - nt)
-        assert all(a.dtype == numba.float32 and a.ndim == 1 and a.layout == "C" for a in sig[1 : 1 + nt])
+        for sig in dispatcher.signatures:
+            sv = sig[5]
+            assert sv.dtype == numba.float32 and sv.ndim == 2, sig
+            assert sig[3].dtype == numba.int64, sig  # the addresses
 
 
-def test_small_tensors_run_the_serial_loop_even_with_threads():
-    k = native.compile_kernel(_tiny_program(7), ())
-    small = {
-        "param": torch.ones(native.PARALLEL_MIN_NUMEL - 1),
-        "grad": torch.ones(native.PARALLEL_MIN_NUMEL - 1),
-    }
-    k.run(small, {"s_x": np.float32(2.0)}, parallel=True)
-    assert k.serial.signatures and not k.parallel.signatures
-    assert torch.equal(small["param"], torch.full_like(small["param"], 9.0))
-    large = {"param": torch.ones(native.PARALLEL_MIN_NUMEL), "grad": torch.ones(native.PARALLEL_MIN_NUMEL)}
-    k.run(large, {"s_x": np.float32(2.0)}, parallel=True)
-    assert k.parallel.signatures
-    assert torch.equal(large["param"], torch.full_like(large["param"], 9.0))
+def test_work_is_split_evenly_and_small_steps_run_serially(monkeypatch):
+    """Every element is in exactly one thread's share, shares differ by at most ALIGN elements
+    (plus the last's remainder), and a step with under PARALLEL_MIN_NUMEL elements per thread
+    runs fewer threads (the serial loop when that is one)."""
+    sizes = [0, 1, 5, 1000, 70000, 33, 100000, 17]
+    for nthreads in (1, 2, 3, 8):
+        bounds, items = native.partition(sizes, nthreads)
+        assert len(bounds) == nthreads + 1 and bounds[0] == 0 and bounds[-1] == len(items)
+        covered = {}
+        for j, lo, hi in items.tolist():
+            assert 0 <= lo < hi <= sizes[j]
+            covered.setdefault(j, []).append((lo, hi))
+        for j, n in enumerate(sizes):
+            spans = sorted(covered.get(j, []))
+            assert sum(hi - lo for lo, hi in spans) == n and all(
+                a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)
+            )
+        shares = [
+            sum(items[it, 2] - items[it, 1] for it in range(bounds[w], bounds[w + 1]))
+            for w in range(nthreads)
+        ]
+        assert max(shares[:-1] or [0]) - min(shares[:-1] or [0]) <= native.ALIGN, shares
+    be = backends.get("native")
+    monkeypatch.setattr(roundpipe.optim.threads, "_num_threads", 2)
+    assert be._threads(2 * native.PARALLEL_MIN_NUMEL - 1) == 1
+    if numba.config.NUMBA_NUM_THREADS >= 2:
+        assert be._threads(2 * native.PARALLEL_MIN_NUMEL) == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +386,7 @@ def test_threads_follow_roundpipe_setting_and_results_do_not_change(nthreads, mo
             if n > 1:
                 assert numba.get_num_threads() == min(n, numba.config.NUMBA_NUM_THREADS)
         out[n] = p.detach().clone()
-    (kernel,) = [k for k in backends.get("native")._native.values() if k.program is opt_program(opt)]
+    kernel = backends.get("native").kernel(opt_program(opt), (True,))  # betas[0] = 0.9: a small lerp
     assert kernel.serial.signatures, "one thread: the serial kernel"
     if nthreads > 1:
         assert kernel.parallel.signatures, "two threads: the parallel kernel"
@@ -426,7 +444,8 @@ _LATENCY_SCRIPT = textwrap.dedent(
     t0 = time.perf_counter()
     opt.step()
     latency = time.perf_counter() - t0
-    kernels = list(backends.get("native")._native.values())
+    from roundpipe.optim.backends import native
+    kernels = native._kernels.values()
     print(json.dumps({
         "latency": latency,
         "hits": sum(sum(d.stats.cache_hits.values()) for k in kernels for d in k.dispatchers),

@@ -1,15 +1,19 @@
 """The optimizer's thread count: one knob for every engine that runs during a step.
 
 ``roundpipe.optim.set_num_threads(n)`` (or ``ROUNDPIPE_OPTIM_NUM_THREADS``) sets how many
-threads a step uses; by default it follows ``torch.get_num_threads()``. The numexpr engine's
-pool is set to it, and torch's intra-op pool is set to it for the duration of a step (then
-restored), so the two never run more threads than asked for. In a child process created by
-``fork`` the count is 1 (GNU OpenMP hangs in a forked child's parallel regions).
+threads a step uses; by default it follows ``torch.get_num_threads()``. The native backend
+sets numba's pool to it, the numexpr engine numexpr's, and the torch engine runs its chunks on
+``run_parallel``'s pool of Python threads while torch's own intra-op pool is held at one thread
+(``torch_threads``, through threadpoolctl's view of the OpenMP pools; then restored), so no
+two pools ever run more threads than asked for. In a child process created by ``fork`` the
+count is 1 (GNU OpenMP hangs in a forked child's parallel regions).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -44,9 +48,11 @@ def get_num_threads() -> int:
 
 def _after_fork_in_child():
     # GNU OpenMP cannot run a parallel region in a forked child of a process that ran one (the
-    # child hangs); DataLoader workers and multiprocessing with fork step on one thread.
-    global _num_threads
+    # child hangs); DataLoader workers and multiprocessing with fork step on one thread. The
+    # pool's threads did not survive the fork either.
+    global _num_threads, _pool
     _num_threads = 1
+    _pool = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -65,3 +71,50 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(current)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="roundpipe-optim")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def run_parallel(work, fn, n: int) -> None:
+    """Call ``fn(item)`` for every item of ``work`` on ``n`` threads, the caller one of them.
+
+    One parallel region: each thread takes the next item when it is done with one (so a thread
+    the OS has descheduled on a busy machine holds up only the item it has), and the call
+    returns when all are done. The first exception raised by ``fn`` is re-raised.
+    """
+    n = min(n, len(work))
+    if n <= 1:
+        for item in work:
+            fn(item)
+        return
+    items = iter(work)  # a list iterator: next() is atomic under the GIL
+
+    def worker():
+        for item in items:
+            fn(item)
+
+    futures = [_get_pool(n - 1).submit(worker) for _ in range(n - 1)]
+    error = None
+    try:
+        worker()
+    except BaseException as e:  # let the others finish before raising
+        error = e
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error

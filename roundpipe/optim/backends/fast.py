@@ -1,56 +1,65 @@
-"""The ``fast`` backend: one spec program over many parameters, in place, with few calls.
+"""The ``fast`` backend: a spec program over many parameters, in place, no compiler needed.
 
-Two engines execute a program on a set of same-shaped float32 tensors:
+Parameters below ``SMALL_NUMEL`` elements are gathered into one flat buffer per input (one
+``torch._foreach_copy_`` each), the program runs once on the flat buffers, and the targets are
+scattered back; larger parameters are stepped where they live. Every result is written back
+into the caller's own tensors: nothing a step updates is ever replaced.
 
-* ``numexpr`` (``numexpr_engine.py``): one fused, multi-threaded numexpr expression per
-  ``assign``, evaluated with ``out=`` the target on zero-copy numpy views;
-* ``torch`` (``torch_engine.py``): the program's torch ops with ``out=`` into a few scratch
-  slots, over cache-sized chunks.
+The program runs over ``CHUNK``-element chunks, on one of two engines:
 
-The default engine is ``torch``, chosen by measurement: on the 2-core EPYC this project is
-developed on, numexpr is compute-bound (about 2 cycles per element per operation; the PyPI
-wheel has no VML) and the torch engine was faster for every optimizer (4 x 16M Adam: about
-100 ms against 280 ms). The torch engine is also bit-for-bit equal to torch.optim's for-loop,
-and a fixed default keeps results reproducible from run to run. ``ROUNDPIPE_OPTIM_ENGINE``
-selects ``numexpr``, or ``auto``: time both engines once per program variant and process on
-the same synthetic 1 Mi-element tensors (interleaved, median of 3) and keep the faster.
+* ``torch`` (``torch_engine.py``, the default): the program's torch ops with ``out=`` into a
+  few cache-sized scratch slots, bit for bit torch.optim's for-loop. The chunks are shared out
+  to ``roundpipe.optim.get_num_threads()`` threads of roundpipe's own pool (``threads.py``),
+  each taking the next chunk when done with one, while torch's intra-op pool is held at one
+  thread: one parallel region per step, not one per op and chunk (thousands, each waiting
+  for its slowest thread, which on a busy machine cost seconds);
+* ``numexpr`` (``numexpr_engine.py``, the design card's): one fused numexpr expression per
+  ``assign``, evaluated with ``out=`` the target on zero-copy numpy views, by numexpr's own
+  thread pool (a compiled numexpr expression must not run in two threads at once).
 
-Many small tensors are not stepped one by one (each call costs microseconds): the parameters
-below ``SMALL_NUMEL`` elements are gathered into one flat buffer per input with a single
-``torch._foreach_copy_``, the program runs once on the flat buffers, and the targets are
-scattered back with another. Every result is written back into the caller's own tensors:
-nothing a step updates is ever replaced.
+``ROUNDPIPE_OPTIM_ENGINE`` (or the backend names ``fast:torch``, ``fast:numexpr``,
+``fast:auto``) selects the engine. ``auto`` times both engines on the same synthetic tensors
+once per machine, program and thread count, and remembers the choice on disk
+(``<cache>/engines.json``, next to the native kernels), so two runs on one machine take the
+same engine (and give the same bits). The default is ``torch``: on the 2-core EPYC this project
+is developed on, numexpr is compute-bound (about 2 cycles per element per operation; the PyPI
+wheel has no VML) and the torch engine was faster for every optimizer.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import platform
 import statistics
 import threading
 import time
 
-import numexpr
 import torch
 
 from .. import threads
-from . import numexpr_engine, torch_engine
+from . import CompileCache, numexpr_engine, segments, torch_engine
+from .formulas import lerp_variant, lerp_weights, scalar_env
 
 logger = logging.getLogger("roundpipe.optim")
 
 ENGINE_ENV_VAR = "ROUNDPIPE_OPTIM_ENGINE"
 ENGINES = ("auto", "numexpr", "torch")
+DEFAULT_ENGINE = "torch"
 
 # Parameters with fewer elements than this are batched into flat buffers.
 SMALL_NUMEL = 1 << 16
+# Elements per chunk: 256 Ki float32 = 1 MiB per operand. Measured on the 2-core EPYC (32 MiB
+# L3): 4 x 16M Adam took 100 ms in 256 Ki chunks, 161 ms in 1 Mi, 133 ms in 64 Ki, and 536 ms
+# unchunked (one temporary per op).
+CHUNK = 1 << 18
 CALIBRATION_NUMEL = 1 << 20
 
 
-DEFAULT_ENGINE = "torch"
-
-
-def engine_setting() -> str:
-    name = os.environ.get(ENGINE_ENV_VAR) or DEFAULT_ENGINE
+def engine_setting(engine: str | None = None) -> str:
+    name = engine or os.environ.get(ENGINE_ENV_VAR) or DEFAULT_ENGINE
     if name not in ENGINES:
         raise ValueError(f"{ENGINE_ENV_VAR}={name!r} is not one of {ENGINES}")
     return name
@@ -69,109 +78,68 @@ class _Workspace:
             self.views[name] = [v.view(s) for v, s in zip(buf.split(numels), shapes, strict=True)]
 
 
-class FastBackend:
-    name = "fast"
-    # DTensor and other wrapper subclasses cannot be gathered into flat buffers or viewed as numpy
-    tensor_subclasses = False
+_torch_programs = CompileCache()
+_numexpr_programs = CompileCache()
 
-    def __init__(self):
-        self._numexpr: dict = {}
-        self._torch: dict = {}
-        self._choice: dict = {}
+
+class FastBackend:
+    """See the module docstring; ``engine``: fixed engine (None: the environment, the default)."""
+
+    def __init__(self, engine: str | None = None):
+        if engine is not None:
+            engine_setting(engine)
+        self.name = "fast" if engine is None else f"fast:{engine}"
+        self._engine = engine
         self._logged: set = set()
-        self._lock = threading.Lock()
 
     def check_settings(self):
         """Raise now, before a step modifies anything, if the environment's settings are bad."""
-        engine_setting()
+        engine_setting(self._engine)
         threads.get_num_threads()
 
-    # -- compilation caches ----------------------------------------------------------------
-    def _numexpr_program(self, program, variant):
-        key = (id(program), variant)
-        hit = self._numexpr.get(key)
-        if hit is None or hit.program is not program:
-            hit = numexpr_engine.compile_program(program, variant)
-            with self._lock:
-                self._numexpr[key] = hit
-        return hit
-
-    def _torch_program(self, program):
-        hit = self._torch.get(id(program))
-        if hit is None or hit[0] is not program:
-            hit = (program, torch_engine.compile_program(program))
-            with self._lock:
-                self._torch[id(program)] = hit
-        return hit[1]
-
-    def engine(self, program, variant, scalars, nthreads) -> str:
-        """The engine for a program variant: the setting, or with ``auto`` measured once."""
-        setting = engine_setting()
+    # -- engines ----------------------------------------------------------------------------
+    def engine(self, program, variant, nthreads) -> str:
+        """The engine for a program variant: the setting, or with ``auto`` the remembered choice."""
+        setting = engine_setting(self._engine)
         if setting != "auto":
             return setting
-        key = (id(program), variant, nthreads)
-        hit = self._choice.get(key)
-        if hit is None or hit[0] is not program:
-            hit = (program, self._calibrate(program, variant, scalars))
-            with self._lock:
-                self._choice[key] = hit
-        return hit[1]
+        return _auto_choice(program, variant, nthreads)
 
-    def _calibrate(self, program, variant, scalars) -> str:
-        gen = torch.Generator().manual_seed(0)
-        tensors = {n: torch.rand(CALIBRATION_NUMEL, generator=gen).add_(0.5) for n in program.tensors}
-        ne_prog = self._numexpr_program(program, variant)
-        t_prog = self._torch_program(program)
-        env = numexpr_engine.scalar_env(scalars, numexpr_engine.lerp_weights(program))
-        runs = {
-            "numexpr": lambda: ne_prog.run(tensors, env),
-            "torch": lambda: t_prog.run(tensors, scalars),
-        }
-        times = {k: [] for k in runs}
-        for fn in runs.values():
-            fn()  # warm up
-        for _ in range(3):
-            for k, fn in runs.items():
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
-        medians = {k: statistics.median(v) for k, v in times.items()}
-        choice = min(medians, key=medians.get)
-        logger.debug(
-            "calibrated %d-statement program on %d elements: numexpr %.2f ms, torch %.2f ms -> %s",
-            len(program.statements),
-            CALIBRATION_NUMEL,
-            medians["numexpr"] * 1e3,
-            medians["torch"] * 1e3,
-            choice,
-        )
-        return choice
+    def executor(self, engine, program, variant, values, nthreads):
+        """``execute(units)``: run the program in place on each unit (name -> same-shaped tensor)."""
+        if engine == "numexpr":
+            prog = _numexpr_programs.get(
+                (program, variant), lambda: numexpr_engine.compile_program(program, variant)
+            )
+            env = scalar_env(values, lerp_weights(program))
+            return lambda units: prog.run_chunked(units, env, CHUNK, nthreads)
+        if engine == "torch":
+            prog = _torch_programs.get(program, lambda: torch_engine.compile_program(program))
+            return lambda units: prog.run_parallel(units, values, CHUNK, nthreads)
+        raise ValueError(f"unknown engine {engine!r}")
 
-    # -- running ---------------------------------------------------------------------------
+    # -- running ----------------------------------------------------------------------------
     def run(self, program, scalars, columns, cache=None):
-        """Run ``program`` with ``scalars`` on every parameter of ``columns``, in place.
-
-        ``columns`` maps each of the program's tensor names to a list of real float32
-        tensors, one per parameter; ``cache`` is a dict the caller keeps between steps (the
-        flat workspaces for small parameters live there).
-        """
+        """Run ``program`` in place on every parameter of ``columns`` (see ``backends``)."""
+        cache = {} if cache is None else cache
         nthreads = threads.get_num_threads()
-        weights = numexpr_engine.lerp_weights(program)
-        variant = numexpr_engine.lerp_variant(scalars, weights)
-        engine = self.engine(program, variant, scalars, nthreads)
-        if logger.isEnabledFor(logging.DEBUG):
-            self._log_once(program, engine, nthreads, columns)
-        execute = self.executor(engine, program, variant, scalars, nthreads)
-        with threads.torch_threads(nthreads):
-            self._run_batched(program, columns, execute, cache if cache is not None else {})
+        weights = lerp_weights(program)
+        n = len(columns["param"])
+        for k, (values, start, stop) in enumerate(segments(scalars, n)):
+            cols = columns if (start, stop) == (0, n) else {m: c[start:stop] for m, c in columns.items()}
+            variant = lerp_variant(values, weights)
+            engine = self.engine(program, variant, nthreads)
+            if logger.isEnabledFor(logging.DEBUG):
+                self._log_once(program, engine, nthreads, cols)
+            execute = self.executor(engine, program, variant, values, nthreads)
+            self._run_batched(program, cols, execute, cache.setdefault(k, {}))
 
     def _log_once(self, program, engine, nthreads, columns):
-        key = (id(program), engine, nthreads)
+        key = (program, engine, nthreads)
         if key in self._logged:
             return
         self._logged.add(key)
         numels = [t.numel() for t in columns["param"]]
-        small = sum(n < SMALL_NUMEL for n in numels)
         logger.debug(
             "backend=%s engine=%s threads=%d: %d-statement program, %d parameters (%d batched as small)",
             self.name,
@@ -179,50 +147,122 @@ class FastBackend:
             nthreads,
             len(program.statements),
             len(numels),
-            small,
+            sum(n < SMALL_NUMEL for n in numels),
         )
-
-    def executor(self, engine, program, variant, scalars, nthreads):
-        """A function that runs the program in place on one set of same-shaped tensors."""
-        if engine == "numexpr":
-            prog = self._numexpr_program(program, variant)
-            env = numexpr_engine.scalar_env(scalars, numexpr_engine.lerp_weights(program))
-            if numexpr.get_num_threads() != nthreads:
-                numexpr.set_num_threads(nthreads)
-            return lambda tensors: prog.run(tensors, env)
-        if engine == "torch":
-            prog = self._torch_program(program)
-            return lambda tensors: prog.run(tensors, scalars)
-        raise ValueError(f"unknown engine {engine!r}")
 
     def _run_batched(self, program, columns, execute, cache):
         names = list(columns)
         params = columns["param"]
-        numels = [p.numel() for p in params]
-        small = [i for i, n in enumerate(numels) if n < SMALL_NUMEL]  # empty ones cost nothing
-        for i, n in enumerate(numels):
-            if n >= SMALL_NUMEL:
-                execute({name: columns[name][i] for name in names})
-        if not small:
-            return
-        if len(small) == 1:
-            i = small[0]
-            if numels[i]:
-                execute({name: columns[name][i] for name in names})
-            return
-        if len(small) == len(params):
-            members = columns
-        else:
-            members = {name: [columns[name][i] for i in small] for name in names}
-        shapes = tuple(t.shape for t in members["param"])
-        key = (tuple(names), shapes)
-        ws = cache.get(key)
-        if ws is None:
-            if len(cache) >= 8:
-                cache.clear()
-            ws = cache[key] = _Workspace(names, shapes, [numels[i] for i in small])
-        for name in names:
-            torch._foreach_copy_(ws.views[name], members[name])
-        execute(ws.flat)
-        for name in program.targets:
-            torch._foreach_copy_(members[name], ws.views[name])
+        plan = cache.get("plan")
+        if plan is None or plan[0] is not params:
+            numels = [p.numel() for p in params]
+            small = [i for i, n in enumerate(numels) if 0 < n < SMALL_NUMEL]
+            large = [i for i, n in enumerate(numels) if n >= SMALL_NUMEL]
+            if len(small) == 1:
+                large, small = sorted(large + small), []
+            plan = cache["plan"] = (params, small, large, numels)
+            cache.pop("ws", None)
+        _, small, large, numels = plan
+        units = [{name: columns[name][i] for name in names} for i in large]
+        members = None
+        if small:
+            ws = cache.get("ws")
+            if ws is None or ws[0] != names:
+                shapes = [params[i].shape for i in small]
+                ws = cache["ws"] = (names, _Workspace(names, shapes, [numels[i] for i in small]))
+            ws = ws[1]
+            whole = len(small) == len(params)
+            members = {name: columns[name] if whole else [columns[name][i] for i in small] for name in names}
+            for name in names:
+                torch._foreach_copy_(ws.views[name], members[name])
+            units.append(ws.flat)
+        execute(units)
+        if members is not None:
+            for name in program.targets:
+                torch._foreach_copy_(members[name], ws.views[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# auto: measured once per machine, program and thread count, remembered on disk
+
+_choices: dict = {}
+_choices_lock = threading.Lock()
+
+
+def _choice_file() -> str:
+    from .native import cache_dir  # the cache directory's rules live there (numba not needed)
+
+    return os.path.join(os.path.dirname(cache_dir()), "engines.json")
+
+
+def _choice_key(program, variant, nthreads) -> str:
+    machine = f"{platform.machine()} {platform.processor()} {os.cpu_count()}"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            machine += next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    import numexpr
+
+    versions = f"torch {torch.__version__} numexpr {numexpr.__version__}"
+    text = f"{program}\n{variant}\n{nthreads}\n{machine}\n{versions}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _auto_choice(program, variant, nthreads) -> str:
+    key = _choice_key(program, variant, nthreads)
+    hit = _choices.get(key)
+    if hit is not None:
+        return hit
+    with _choices_lock:
+        path = _choice_file()
+        try:
+            with open(path, encoding="utf-8") as f:
+                _choices.update(json.load(f))
+        except (OSError, ValueError):
+            pass
+        hit = _choices.get(key)
+        source = "remembered in " + path
+        if hit is None:
+            hit, source = _calibrate(program, variant, nthreads), "measured"
+            _choices[key] = hit
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(_choices, f, indent=0, sort_keys=True)
+                os.replace(tmp, path)
+                source += ", saved to " + path
+            except OSError as err:
+                source += f", not saved ({err})"
+    logger.debug("engine=auto for a %d-statement program: %s (%s)", len(program.statements), hit, source)
+    return hit
+
+
+def _calibrate(program, variant, nthreads) -> str:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: torch.rand(CALIBRATION_NUMEL, generator=gen).add_(0.5) for n in program.tensors}
+    values = {s: 0.1 for s in program.scalars}
+    for w, small in zip(lerp_weights(program), variant, strict=True):
+        values[w] = 0.1 if small else 0.9
+    backend = FastBackend()
+    runs = {e: backend.executor(e, program, variant, values, nthreads) for e in ("numexpr", "torch")}
+    times = {k: [] for k in runs}
+    for fn in runs.values():
+        fn([tensors])  # warm up
+    for _ in range(3):
+        for k, fn in runs.items():
+            t0 = time.perf_counter()
+            fn([tensors])
+            times[k].append(time.perf_counter() - t0)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    choice = min(medians, key=medians.get)
+    logger.debug(
+        "calibrated on %d elements, %d threads: numexpr %.2f ms, torch %.2f ms -> %s",
+        CALIBRATION_NUMEL,
+        nthreads,
+        medians["numexpr"] * 1e3,
+        medians["torch"] * 1e3,
+        choice,
+    )
+    return choice

@@ -1,37 +1,39 @@
-"""The ``native`` backend: each spec program compiled by numba into one loop over elements.
+"""The ``native`` backend: every tensor of a step updated by one parallel numba loop.
 
-``backend="native"`` is the ``fast`` backend (same batching of small parameters into flat
-buffers, same in-place contract) with a third engine: the program, for each lerp variant, is
-translated into the Python source of one loop
+Each spec program is lowered (``formulas.py``, numba's dialect) to the statements of one loop
+iteration and compiled, once per program and lerp variant, into a kernel that walks a table of
+addresses:
 
 .. code-block:: python
 
-    def kernel_parallel(n, t0_param, t1_grad, ..., s_beta2, ..., c_3f800000):
-        for i in prange(n):
-            v0_param_0 = t0_param[i]  # every tensor the program reads, loaded once
-            ...
-            l2_denom = ...  # a ``let``: a local value
-            v0_param_1 = ...  # an ``assign``: the tensor's new current value
-            t0_param[i] = v0_param_1  # every target, stored once, after all the loads
-            ...
+    def kernel_parallel(nthreads, bounds, items, ptrs, bucket, sv):
+        for w in prange(nthreads):                 # ONE parallel region per step
+            for it in range(bounds[w], bounds[w + 1]):  # this thread's slices of the tensors
+                j, lo, hi = items[it, 0], items[it, 1], items[it, 2]
+                s_beta2 = sv[bucket[j], 0]         # the parameter's scalars (float32)
+                t0_param = carray(f32ptr(ptrs[0, j] + 4 * lo), hi - lo)  # where it lives
+                ...
+                for i in range(hi - lo):
+                    v0_param_0 = t0_param[i]       # every input read once
+                    ...                            # lets and assigns: float32 locals
+                    t0_param[i] = v0_param_1       # every target written once
 
-compiled with ``numba.njit(parallel=True, fastmath=False, error_model="numpy")`` and run in
-place on zero-copy numpy views, so a step reads each tensor once and writes each target once
-(the torch engine streams every operand through the cache once per operation). The same loop
-is also compiled serially (``kernel_serial``) for steps on one thread.
+The elements of all the step's tensors are split into ``nthreads`` equal, contiguous shares
+(cut at 16-element boundaries), so every thread gets the same work whatever the mix of large
+and small tensors, with no barrier between tensors and no gather/scatter copies: small tensors
+go through the same kernel. The table (``ptrs``: one row of ``data_ptr()`` per program tensor)
+is rebuilt only for the columns whose tensors changed (the gradients, each step). On one thread
+the serial twin ``kernel_serial`` runs (numba's pool is never started then).
 
 Rounding is torch's float32 rounding, bit for bit:
 
-* every scalar and constant is a ``np.float32`` argument (numba would type a Python float
-  literal as float64), and every operation is on float32 values;
-* each IR function is lowered to the formula ``numexpr_engine`` uses (torch's formulas in
-  torch's order: lerp's two branches, NaN-propagating ``maximum`` and ``clamp``,
-  ``sign(NaN) = 0``, ``number / tensor`` as ``reciprocal(tensor) * number``);
-* with one addition: torch's vectorized CPU kernels compute ``add(a, b, alpha)``, ``addcmul``
-  and ``lerp`` with a fused multiply-add (one rounding where the formula has two). Which of them
-  this torch fuses is measured once per process (``torch_fusion``), and exactly those call
-  ``fma`` (``llvm.fma.f32``). Nothing else is fused: without ``fastmath`` LLVM neither
-  reassociates nor contracts ``a * b + c`` by itself;
+* every scalar and constant is a float32 value (``sv``), and every operation is on float32;
+* each IR function is the shared formula of ``formulas.py`` (torch's formulas in torch's order);
+* torch's vectorized CPU kernels compute ``add(a, b, alpha)``, ``addcmul`` and ``lerp`` with a
+  fused multiply-add (one rounding where the formula has two). Which of them this torch fuses
+  is measured once per process (``torch_fusion``), and exactly those call ``fma``
+  (``llvm.fma.f32``). Nothing else is fused: without ``fastmath`` LLVM neither reassociates nor
+  contracts ``a * b + c`` by itself;
 * ``error_model="numpy"``: ``x / 0`` is IEEE (inf or NaN), not ``ZeroDivisionError``.
 
 One torch op cannot be matched: torch's CPU ``sqrt`` is MKL's, which is off by one ulp in about
@@ -47,12 +49,11 @@ source and the numba version, and numba's ``cache=True`` keeps the machine code 
 and kernels are compiled in memory, every process again.
 
 Threads: a step runs ``min(roundpipe.optim.get_num_threads(), NUMBA_NUM_THREADS)`` threads of
-numba's pool on tensors (or flat buffers of small ones) of at least ``PARALLEL_MIN_NUMEL``
-elements, the serial loop on smaller ones; on one thread it runs only the serial loop and never
-starts that pool (which also
-keeps a forked child, on one thread, from numba's OpenMP layer, which aborts there). numba's
-OpenMP layer sets the process's OpenMP thread count when its pool starts, and with torch's
-libgomp loaded first that is torch's: a step puts torch's count back.
+numba's pool, fewer when the step has under ``PARALLEL_MIN_NUMEL`` elements per thread, and
+only the serial loop on one thread (which also keeps a forked child, on one thread, from
+numba's OpenMP layer, which aborts there). numba's OpenMP layer sets the process's OpenMP
+thread count when its pool starts, and with torch's libgomp loaded first that is torch's: a
+step puts torch's count back.
 
 numba is an optional dependency (``pip install "roundpipe[native]"``); without it, choosing
 this backend raises ``ImportError`` when the optimizer is constructed.
@@ -75,21 +76,23 @@ import numpy as np
 import torch
 
 from .. import threads
-from ..spec.ir import Assign, Bin, Const, Let, Scalar, Tensor
-from . import numexpr_engine
-from .fast import FastBackend
+from ..spec.ir import Assign, Let
+from . import CompileCache, segments
+from .formulas import Lowering, lerp_variant, lerp_weights, scalar_env
 
 logger = logging.getLogger("roundpipe.optim")
 
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
 INSTALL_HINT = 'pip install "roundpipe[native]"'
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 3
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
-# Fewer elements than this run the serial loop even with more threads: about 20 us of work at
+# Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
 # machine is busy (a parallel loop waits for its slowest thread).
 PARALLEL_MIN_NUMEL = 1 << 15
+# Thread shares are cut at multiples of this many elements (64 bytes: no shared cache lines).
+ALIGN = 16
 
 _F32 = np.float32
 
@@ -125,37 +128,32 @@ def _ident(prefix: str, index: int, name: str) -> str:
 
 @dataclass(frozen=True)
 class KernelSource:
-    """The generated kernel and the order of its arguments after ``n``."""
+    """The generated kernel module and the layout of its ``sv`` rows."""
 
     source: str
-    tensors: tuple  # program tensor names, in argument order
-    scalars: tuple  # scalar_env() keys, in argument order
-    consts: tuple  # np.float32 constant values, in argument order
+    tensors: tuple  # program tensor names: the rows of ``ptrs``
+    scalars: tuple  # scalar_env() keys: the first columns of ``sv``
+    consts: tuple  # np.float32 constants: the last columns of ``sv``
 
 
-class _Codegen:
-    """Lowers a program to the statements of one loop iteration."""
+class _Codegen(Lowering):
+    """The shared formulas (formulas.py) in numba's dialect: the statements of one iteration."""
 
     def __init__(self, program, variant, fused):
-        self.program = program
-        self.fused = frozenset(fused)
+        super().__init__(program, variant, fused)
         self.uses_fma = False
-        self.lerp_small = dict(zip(numexpr_engine.lerp_weights(program), variant, strict=True))
         self.arrays = {name: _ident("t", i, name) for i, name in enumerate(program.tensors)}
         self.current: dict[str, str] = {}  # input tensor -> local holding its current value
         self.versions: dict[str, int] = {}
         self.loads: list[str] = []  # input tensors read before they are first assigned
         self.lets: dict[str, str] = {}  # let name -> local
-        self.scalars: list[str] = []  # scalar argument names
-        self.consts: dict[str, float] = {}  # constant argument name -> value
         self.body: list[str] = []
         self.ntemp = 0
 
-    # -- names ----------------------------------------------------------------------------
     def _value(self, name: str, version: int) -> str:
-        base = self.arrays[name]
-        return f"v{base[1:]}_{version}"
+        return f"v{self.arrays[name][1:]}_{version}"
 
+    # -- the dialect ---------------------------------------------------------------------------
     def tensor(self, name: str) -> str:
         if name in self.lets:
             return self.lets[name]
@@ -165,19 +163,20 @@ class _Codegen:
             self.current[name] = self._value(name, 0)
         return self.current[name]
 
-    def scalar(self, name: str) -> str:
-        var = numexpr_engine.scalar_var(name)
-        if var not in self.scalars:
-            self.scalars.append(var)
-        return var
+    def select(self, cond, a, b):
+        return f"({a} if {cond} else {b})"
 
-    def const(self, value: float) -> str:
-        name = numexpr_engine.const_var(value)
-        self.consts[name] = value
-        return name
+    def either(self, x, y):
+        return f"({x} or {y})"
 
-    def temp(self, code: str) -> str:
-        """Bind a sub-expression used more than once to a local (plain names stay inline)."""
+    def sqrt(self, x):
+        return f"np.sqrt({x})"  # a float32 in, a float32 out (math.sqrt would be float64)
+
+    def fma(self, a, b, c):
+        self.uses_fma = True
+        return f"fma({a}, {b}, {c})"
+
+    def bind(self, code: str) -> str:
         if code.isidentifier():
             return code
         self.ntemp += 1
@@ -185,95 +184,7 @@ class _Codegen:
         self.body.append(f"{name} = {code}")
         return name
 
-    # -- expressions ----------------------------------------------------------------------
-    def __call__(self, e) -> str:
-        if isinstance(e, Tensor):
-            return self.tensor(e.name)
-        if isinstance(e, Scalar):
-            return self.scalar(e.name)
-        if isinstance(e, Const):
-            return self.const(e.value)
-        if isinstance(e, Bin):
-            if e.op == "/" and not e.a.is_tensor():
-                # torch computes number / tensor as reciprocal(tensor) * number
-                return f"(({self.const(1.0)} / {self(e.b)}) * {self(e.a)})"
-            return f"({self(e.a)} {e.op} {self(e.b)})"
-        return getattr(self, "fn_" + e.fn)(*e.args)
-
-    def fma(self, a, b, c) -> str:
-        """``a * b + c`` rounded once (``llvm.fma.f32``), as torch's vectorized kernels do."""
-        self.uses_fma = True
-        return f"fma({a}, {b}, {c})"
-
-    # torch's float32 formulas, as numexpr_engine lowers them (same formulas, same order), with
-    # one difference: where torch's CPU kernel computes ``a * b + c`` as one fused multiply-add
-    # (``fused``, see torch_fusion()), so does the kernel.
-    def fn_neg(self, x):
-        return f"(-{self(x)})"
-
-    def fn_sqrt(self, x):
-        return f"np.sqrt({self(x)})"  # a float32 in, a float32 out (math.sqrt would be float64)
-
-    def fn_abs(self, x):
-        return f"abs({self(x)})"
-
-    def fn_sign(self, x):
-        # torch.sign: (0 < x) - (x < 0); NaN gives 0
-        x = self.temp(self(x))
-        zero, one, minus = self.const(0.0), self.const(1.0), self.const(-1.0)
-        return f"({one} if {x} > {zero} else ({minus} if {x} < {zero} else {zero}))"
-
-    def fn_maximum(self, a, b):
-        # torch.maximum: NaN propagates from either side
-        a, b = self.temp(self(a)), self.temp(self(b))
-        return f"({a} if ({a} > {b} or {a} != {a}) else {b})"
-
-    def fn_where(self, c, a, b):
-        return f"({self(a)} if {self(c)} else {self(b)})"
-
-    def fn_clamp(self, x, lo, hi):
-        # torch.clamp = min(max(x, lo), hi), NaN propagating
-        x, lo, hi = self.temp(self(x)), self(lo), self(hi)
-        low = self.temp(f"({lo} if {x} < {lo} else {x})")
-        return f"({hi} if {low} > {hi} else {low})"
-
-    def _scaled(self, scale, x):
-        if isinstance(scale, Const) and scale.value == 1.0:
-            return self(x)
-        return f"({self(scale)} * {self(x)})"
-
-    def fn_add(self, a, b, alpha):
-        if isinstance(alpha, Const) and alpha.value == -1.0:
-            return f"({self(a)} - {self(b)})"
-        if isinstance(alpha, Const) and alpha.value == 1.0:
-            return f"({self(a)} + {self(b)})"
-        if "add" in self.fused:
-            return self.fma(self(alpha), self(b), self(a))
-        return f"({self(a)} + {self._scaled(alpha, b)})"
-
-    def fn_addcmul(self, a, b, c, value):
-        if "addcmul" in self.fused:
-            return self.fma(self._scaled(value, b), self(c), self(a))
-        return f"({self(a)} + ({self._scaled(value, b)} * {self(c)}))"
-
-    def fn_addcdiv(self, a, b, c, value):
-        return f"({self(a)} + ({self._scaled(value, b)} / {self(c)}))"
-
-    def fn_lerp(self, a, b, w):
-        # ATen's lerp: small weights go from the start, large ones back from the end
-        a, b = self.temp(self(a)), self.temp(self(b))
-        fused = "lerp" in self.fused
-        if self.lerp_small[w.name]:
-            w = self.scalar(w.name)
-            return self.fma(w, f"({b} - {a})", a) if fused else f"({a} + ({w} * ({b} - {a})))"
-        comp = numexpr_engine.lerp_complement_var(w.name)
-        if comp not in self.scalars:
-            self.scalars.append(comp)
-        if fused:  # end - (end - start) * (1 - w), rounded once
-            return self.fma(f"({a} - {b})", comp, b)
-        return f"({b} - (({b} - {a}) * {comp}))"
-
-    # -- statements -----------------------------------------------------------------------
+    # -- statements ----------------------------------------------------------------------------
     def statement(self, st):
         code = self(st.expr)
         if isinstance(st, Let):
@@ -288,7 +199,7 @@ class _Codegen:
 
 
 def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
-    """The kernel source for ``program`` and a lerp variant (``numexpr_engine.lerp_variant``);
+    """The kernel source for ``program`` and a lerp variant (``formulas.lerp_variant``);
     ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA."""
     cg = _Codegen(program, variant, fused)
     for st in program.statements:
@@ -296,40 +207,56 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
     tensors = tuple(program.tensors)
     scalars = tuple(sorted(cg.scalars))
     const_names = tuple(sorted(cg.consts))
-    args = ", ".join(["n", *(cg.arrays[t] for t in tensors), *scalars, *const_names])
-    ind = " " * 8
-    body = [
-        *(f"{ind}{cg._value(t, 0)} = {cg.arrays[t]}[i]" for t in cg.loads),
-        *(f"{ind}{line}" for line in cg.body),
-        *(f"{ind}{cg.arrays[t]}[i] = {cg.current[t]}" for t in program.targets),
+    i4, i5 = " " * 12, " " * 16
+    setup = [
+        f"{i4}j = items[it, 0]",
+        f"{i4}b = bucket[j]",
+        *(f"{i4}{name} = sv[b, {k}]" for k, name in enumerate((*scalars, *const_names))),
+        f"{i4}lo = items[it, 1]",
+        f"{i4}m = items[it, 2] - lo",
+        # the slice's own pointer and a loop from 0: numba then knows no index is negative
+        # (no wraparound code), and LLVM vectorizes the loop (7x faster than range(lo, hi))
+        *(f"{i4}{cg.arrays[t]} = carray(f32ptr(ptrs[{r}, j] + 4 * lo), m)" for r, t in enumerate(tensors)),
     ]
+    body = [
+        *(f"{i5}{cg._value(t, 0)} = {cg.arrays[t]}[i]" for t in cg.loads),
+        *(f"{i5}{line}" for line in cg.body),
+        *(f"{i5}{cg.arrays[t]}[i] = {cg.current[t]}" for t in program.targets),
+    ]
+
+    def kernel(name, loop):
+        return [
+            f"def {name}(nthreads, bounds, items, ptrs, bucket, sv):",
+            f"    for w in {loop}(nthreads):",
+            "        for it in range(bounds[w], bounds[w + 1]):",
+            *setup,
+            f"{i4}for i in range(m):",
+            *body,
+            "",
+            "",
+        ]
+
     lines = [
-        "# Generated by roundpipe.optim.backends.native (do not edit): one loop iteration of",
-        "# this spec program,",
+        "# Generated by roundpipe.optim.backends.native (do not edit): one parallel loop over",
+        "# every slice of every tensor of a step, running this spec program,",
         "#",
         *(f"#   {line}" for line in str(program).splitlines()),
         "#",
         f"# lerp variant {tuple(variant)!r}, fused multiply-adds in {sorted(cg.fused)!r},",
-        f"# generator version {GENERATOR_VERSION}. Every scalar and constant is a float32 argument",
-        "# (a Python float literal would make numba compute in float64). The same loop twice:",
+        f"# generator version {GENERATOR_VERSION}. Every scalar and constant is a float32 read from",
+        "# sv (a Python float literal would make numba compute in float64). The same loop twice:",
         "# kernel_parallel for numba.njit(parallel=True), kernel_serial for one thread.",
         "import numpy as np",
-        "from numba import prange",
+        "from numba import carray, prange",
         "",
-        *(["from roundpipe.optim.backends.native import fma", ""] if cg.uses_fma else []),
-        "",
-        f"def kernel_parallel({args}):",
-        "    for i in prange(n):",
-        *body,
+        "from roundpipe.optim.backends.native import f32ptr" + (", fma" if cg.uses_fma else ""),
         "",
         "",
-        f"def kernel_serial({args}):",
-        "    for i in range(n):",
-        *body,
-        "",
+        *kernel("kernel_parallel", "prange"),
+        *kernel("kernel_serial", "range"),
     ]
     consts = tuple(_F32(cg.consts[c]) for c in const_names)
-    return KernelSource("\n".join(lines), tensors, scalars, consts)
+    return KernelSource("\n".join(lines).rstrip() + "\n", tensors, scalars, consts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,34 +387,63 @@ def _load_module(name: str, source: str):
 
 @dataclass
 class NativeKernel:
-    """A program's kernels (parallel and serial, each compiled on first use) and how to call them."""
+    """A program's kernels (parallel and serial, each compiled on first call) for one variant."""
 
     program: object
     variant: tuple
     fused: frozenset
     source: KernelSource
-    module_name: str
     cached_on_disk: bool
     parallel: object  # numba dispatcher of kernel_parallel
     serial: object  # numba dispatcher of kernel_serial
 
-    def run(self, tensors: dict, env: dict, parallel: bool = True):
-        """Run in place. ``tensors``: name -> real float32 tensor; ``env``: scalar_env().
-        ``parallel``: the parallel loop (on numba's current thread count) where there are at
-        least PARALLEL_MIN_NUMEL elements, else the serial one."""
-        arrays = [tensors[name].detach().view(-1).numpy() for name in self.source.tensors]
-        n = arrays[0].shape[0]
-        for name, a in zip(self.source.tensors, arrays, strict=True):
-            if a.shape[0] != n or a.dtype != _F32:
-                raise ValueError(f"native kernel: {name!r} has {a.shape[0]} {a.dtype} elements, expected {n}")
-        if n == 0:
-            return
-        kernel = self.parallel if parallel and n >= PARALLEL_MIN_NUMEL else self.serial
-        kernel(n, *arrays, *[env[s] for s in self.source.scalars], *self.source.consts)
+    def run(self, tensors: dict, env: dict, nthreads: int = 1):
+        """Run once on one set of same-shaped real float32 tensors (name -> tensor) with the
+        scalars ``env`` (``scalar_env()``): for tests and tools; steps go through the backend."""
+        table = _Table(self.source.tensors, [tensors["param"]])
+        for r, name in enumerate(self.source.tensors):
+            table.update(r, [tensors[name]])
+        sv = np.asarray([self.sv_row(env)], dtype=np.float32)
+        bounds, items = partition(table.sizes, nthreads)
+        kernel = self.serial if nthreads == 1 else self.parallel
+        kernel(nthreads, bounds, items, table.ptrs, table.bucket, sv)
+
+    def sv_row(self, env: dict) -> list:
+        """One row of ``sv``: the scalars (from scalar_env()) then the constants."""
+        return [*(env[s] for s in self.source.scalars), *self.source.consts]
 
     @property
     def dispatchers(self):
         return (self.parallel, self.serial)
+
+
+def partition(sizes, nthreads: int):
+    """Split the elements of tensors of ``sizes`` into ``nthreads`` equal contiguous shares.
+
+    Returns ``(bounds, items)``: thread ``w`` runs ``items[bounds[w]:bounds[w + 1]]``, each item
+    ``(tensor index, lo, hi)``; shares are cut at multiples of ALIGN elements.
+    """
+    total = int(sum(sizes))
+    share = -(-total // nthreads)
+    share = -(-share // ALIGN) * ALIGN
+    items, bounds = [], [0]
+    cut = share  # end of the current thread's share, in the concatenation of the tensors
+    offset = 0
+    for j, n in enumerate(sizes):
+        lo = 0
+        while lo < n:
+            while offset + lo >= cut and len(bounds) < nthreads:
+                bounds.append(len(items))
+                cut += share
+            hi = n if len(bounds) == nthreads else min(n, cut - offset)
+            items.append((j, lo, hi))
+            lo = hi
+        offset += n
+    bounds += [len(items)] * (nthreads + 1 - len(bounds))
+    return np.asarray(bounds, dtype=np.int64), np.asarray(items, dtype=np.int64).reshape(-1, 3)
+
+
+_kernels = CompileCache()
 
 
 def compile_kernel(program, variant: tuple, fused=None) -> NativeKernel:
@@ -496,98 +452,171 @@ def compile_kernel(program, variant: tuple, fused=None) -> NativeKernel:
     numba = import_numba()
     if fused is None:
         fused = torch_fusion()[0]
+    fused = frozenset(fused)
+    return _kernels.get((program, tuple(variant), fused), lambda: _compile(numba, program, variant, fused))
+
+
+def _compile(numba, program, variant, fused) -> NativeKernel:
     ks = generate(program, variant, fused)
     key = f"{ks.source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
     name = "roundpipe_native_" + hashlib.sha256(key.encode()).hexdigest()[:24]
-    with _modules_lock:
-        hit = _modules.get(name)
-        if hit is None:
-            module, on_disk = _load_module(name, ks.source)
-            serial_options = {**JIT_OPTIONS, "parallel": False}
-            try:
-                par = numba.njit(cache=on_disk, **JIT_OPTIONS)(module.kernel_parallel)
-                ser = numba.njit(cache=on_disk, **serial_options)(module.kernel_serial)
-            except RuntimeError as err:  # numba found no writable place for its cache files
-                _warn_uncached(os.path.dirname(module.__file__), err)
-                on_disk = False
-                par = numba.njit(cache=False, **JIT_OPTIONS)(module.kernel_parallel)
-                ser = numba.njit(cache=False, **serial_options)(module.kernel_serial)
-            hit = _modules[name] = (par, ser, on_disk)
-    par, ser, on_disk = hit
-    return NativeKernel(program, tuple(variant), frozenset(fused), ks, name, on_disk, par, ser)
+    module, on_disk = _load_module(name, ks.source)
+    serial_options = {**JIT_OPTIONS, "parallel": False}
+    try:
+        par = numba.njit(cache=on_disk, **JIT_OPTIONS)(module.kernel_parallel)
+        ser = numba.njit(cache=on_disk, **serial_options)(module.kernel_serial)
+    except RuntimeError as err:  # numba found no writable place for its cache files
+        _warn_uncached(os.path.dirname(module.__file__), err)
+        on_disk = False
+        par = numba.njit(cache=False, **JIT_OPTIONS)(module.kernel_parallel)
+        ser = numba.njit(cache=False, **serial_options)(module.kernel_serial)
+    return NativeKernel(program, tuple(variant), fused, ks, on_disk, par, ser)
 
 
 # ---------------------------------------------------------------------------------------------
 # the backend
 
+_F32_DTYPE = torch.float32
 
-class NativeBackend(FastBackend):
+
+class NativeBackend:
     name = "native"
 
     def __init__(self):
         self._numba = import_numba()
-        super().__init__()
-        self._native: dict = {}
         self.fused, self.exact = torch_fusion()
 
     def check_settings(self):
         threads.get_num_threads()
 
-    def engine(self, program, variant, scalars, nthreads) -> str:
-        return "native"
+    def kernel(self, program, variant) -> NativeKernel:
+        return compile_kernel(program, variant, self.fused)
 
     def run(self, program, scalars, columns, cache=None):
-        # numba's OpenMP threading layer, when it starts its pool, sets the OpenMP thread count
-        # of the process, which (with torch's libgomp loaded first) is torch's intra-op count:
-        # put torch's back as it was, so a step never changes the caller's settings
+        """One kernel launch over every parameter of ``columns`` (see ``backends.Backend``)."""
+        cache = {} if cache is None else cache
+        params = columns["param"]
+        weights = lerp_weights(program)
+        segs = segments(scalars, len(params))
+        by_variant: dict = {}
+        for values, start, stop in segs:
+            by_variant.setdefault(lerp_variant(values, weights), []).append((values, start, stop))
+        # numba's OpenMP layer, when it starts its pool, sets the OpenMP thread count of the
+        # process, which (with torch's libgomp loaded first) is torch's intra-op count: put
+        # torch's back as it was, so a step never changes the caller's settings
         before = torch.get_num_threads()
         try:
-            super().run(program, scalars, columns, cache)
+            for variant, parts in by_variant.items():
+                self._launch(self.kernel(program, variant), parts, columns, weights, cache)
         finally:
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
 
-    def kernel(self, program, variant) -> NativeKernel:
-        key = (id(program), variant)
-        hit = self._native.get(key)
-        if hit is None or hit.program is not program:
-            hit = compile_kernel(program, variant, self.fused)
-            with self._lock:
-                self._native[key] = hit
-        return hit
+    def _launch(self, kernel, parts, columns, weights, cache):
+        names = kernel.source.tensors
+        params = columns["param"]
+        table = cache.get("table")
+        if table is None or table.names != names or table.params is not params:
+            table = cache["table"] = _Table(names, params)
+        for r, name in enumerate(names):
+            table.update(r, columns[name])
+        try:
+            self._run_table(kernel, parts, table, weights)
+        finally:
+            table.release_volatile()
 
-    def executor(self, engine, program, variant, scalars, nthreads):
-        if engine != "native":
-            return super().executor(engine, program, variant, scalars, nthreads)
-        kernel = self.kernel(program, variant)
-        env = numexpr_engine.scalar_env(scalars, numexpr_engine.lerp_weights(program))
+    def _run_table(self, kernel, parts, table, weights):
+        params = table.params
+        if table.total == 0:
+            return
+        bucket = table.bucket
+        if len(parts) == 1 and parts[0][1] == 0 and parts[0][2] == len(params):
+            bucket.fill(0)
+            sv = np.asarray([kernel.sv_row(scalar_env(parts[0][0], weights))], dtype=np.float32)
+        else:
+            bucket.fill(-1)
+            rows = []
+            for k, (values, start, stop) in enumerate(parts):
+                bucket[start:stop] = k
+                rows.append(kernel.sv_row(scalar_env(values, weights)))
+            sv = np.asarray(rows, dtype=np.float32)
+        nthreads = self._threads(table.total)
+        bounds, items = table.partition(nthreads, bucket)
+        if nthreads == 1:
+            kernel.serial(1, bounds, items, table.ptrs, bucket, sv)
+        else:
+            kernel.parallel(nthreads, bounds, items, table.ptrs, bucket, sv)
+
+    def _threads(self, total: int) -> int:
         numba = self._numba
-        n = max(1, min(nthreads, numba.config.NUMBA_NUM_THREADS))
-        if n == 1:
-            # one thread: the serial loop, without numba's thread pool (no launch, and safe in
-            # a forked child, where numba's OpenMP layer would abort the process)
-            return lambda tensors: kernel.run(tensors, env, parallel=False)
-        if numba.get_num_threads() != n:
+        n = min(threads.get_num_threads(), numba.config.NUMBA_NUM_THREADS, total // PARALLEL_MIN_NUMEL)
+        n = max(1, n)
+        if n > 1 and numba.get_num_threads() != n:
             numba.set_num_threads(n)
-        return lambda tensors: kernel.run(tensors, env)
+        return n
+
+
+class _Table:
+    """The addresses a launch reads: a row of ``data_ptr()`` per program tensor, refreshed for a
+    column only when its list of tensors is a new one (the gradients, every step)."""
+
+    def __init__(self, names, params):
+        self.names = names
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.total = sum(self.sizes)
+        self.ptrs = np.zeros((len(names), len(params)), dtype=np.int64)
+        self.columns = [None] * len(names)
+        self.volatile = [False] * len(names)  # a new list of tensors every step (the grads)
+        self.bucket = np.zeros(len(params), dtype=np.int64)
+        self._partitions: dict = {}
+
+    def update(self, row: int, column):
+        if column is self.columns[row]:
+            return
+        sizes = [t.numel() for t in column]
+        if sizes != self.sizes or not all([t.dtype is _F32_DTYPE and t.is_contiguous() for t in column]):
+            raise ValueError(
+                f"native kernel: {self.names[row]!r} tensors must be contiguous float32 of the "
+                "parameters' sizes"
+            )
+        self.ptrs[row] = [t.data_ptr() for t in column]
+        self.volatile[row] = self.volatile[row] or self.columns[row] is not None
+        self.columns[row] = column
+
+    def release_volatile(self):
+        """Drop the references to columns that change every step (so a step's gradients are
+        freed when the caller drops them); the next step refreshes their row."""
+        for row, volatile in enumerate(self.volatile):
+            if volatile:
+                self.columns[row] = None
+
+    def partition(self, nthreads, bucket):
+        # parameters outside every segment (bucket -1) are not run
+        key = (nthreads, bucket.tobytes()) if (bucket < 0).any() else nthreads
+        hit = self._partitions.get(key)
+        if hit is None:
+            sizes = np.where(bucket >= 0, self.sizes, 0) if (bucket < 0).any() else self.sizes
+            hit = self._partitions[key] = partition(list(sizes), nthreads)
+        return hit
 
 
 def kernel_source(program, variant=None, fused=None) -> str:
     """The generated source of ``program`` (for reading; ``variant`` defaults to small lerps)."""
     if variant is None:
-        variant = (True,) * len(numexpr_engine.lerp_weights(program))
+        variant = (True,) * len(lerp_weights(program))
     return generate(program, variant, torch_fusion()[0] if fused is None else fused).source
 
 
 # ---------------------------------------------------------------------------------------------
-# ``fma``: imported by the generated modules, built on first use (numba is optional)
+# intrinsics imported by the generated modules, built on first use (numba is optional):
+# ``fma`` (float32 a * b + c rounded once) and ``f32ptr`` (an address as a float32 pointer)
 
-_fma = None
+_intrinsics: dict = {}
 
 
-def _make_fma():
-    global _fma
-    if _fma is None:
+def _make_intrinsics():
+    if not _intrinsics:
         import_numba()
         from llvmlite import ir
         from numba.core import types
@@ -605,14 +634,34 @@ def _make_fma():
 
             return types.float32(types.float32, types.float32, types.float32), codegen
 
-        _fma = fma
-    return _fma
+        @intrinsic
+        def f32ptr(typingctx, address):
+            """The float32 pointer at an integer address (a tensor's ``data_ptr()``)."""
+            if not isinstance(address, types.Integer):
+                return None
+            ptr = types.CPointer(types.float32)
+
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+            return ptr(address), codegen
+
+        _intrinsics.update(fma=fma, f32ptr=f32ptr)
+    return _intrinsics
 
 
 def __getattr__(name):
-    if name == "fma":
-        return _make_fma()
+    if name in ("fma", "f32ptr"):
+        return _make_intrinsics()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["NativeBackend", "NativeKernel", "cache_dir", "compile_kernel", "generate", "kernel_source"]
+__all__ = [
+    "NativeBackend",
+    "NativeKernel",
+    "cache_dir",
+    "compile_kernel",
+    "generate",
+    "kernel_source",
+    "partition",
+]

@@ -19,30 +19,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numexpr
 import numpy as np
 from numexpr.necompiler import NumExpr, getExprNames
 
-from ..spec.ir import Assign, Bin, Call, Const, Let, Scalar, Tensor, walk
+from ..spec.ir import Assign, Let, Tensor, walk
+from .formulas import Lowering, lerp_variant, lerp_weights, scalar_env
+
+__all__ = ["compile_program", "plan_lets", "lerp_variant", "lerp_weights", "scalar_env"]
 
 _F32 = np.float32
 
 
 def tensor_var(name: str) -> str:
     return "t_" + name
-
-
-def scalar_var(name: str) -> str:
-    return "s_" + name
-
-
-def lerp_complement_var(name: str) -> str:
-    return "s_" + name + "__1m"
-
-
-def const_var(value: float) -> str:
-    # a stable, valid identifier for a float32 constant
-    bits = np.array(value, dtype=_F32).view(np.uint32).item()
-    return f"c_{bits:08x}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,102 +76,30 @@ def plan_lets(program):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. lowering to numexpr strings
+# 2. lowering to numexpr strings: the shared formulas (formulas.py) in numexpr's dialect
 
 
-class _Lowering:
-    def __init__(self, lerp_small: dict, materialised: set):
-        self.lerp_small = lerp_small  # scalar name -> bool: abs(weight) < 0.5
+class _Lowering(Lowering):
+    def __init__(self, program, variant, materialised: set):
+        super().__init__(program, variant)  # numexpr has no fused multiply-add
         self.materialised = materialised
         self.inline: dict[str, str] = {}  # let name -> numexpr string
-        self.consts: dict[str, float] = {}
 
-    def const(self, value: float) -> str:
-        name = const_var(value)
-        self.consts[name] = value
-        return name
+    def tensor(self, name):
+        if name in self.inline:
+            return self.inline[name]
+        if name in self.materialised:
+            return "l_" + name
+        return tensor_var(name)
 
-    def is_const(self, e, value):
-        return isinstance(e, Const) and e.value == value
+    def select(self, cond, a, b):
+        return f"where({cond}, {a}, {b})"  # numexpr's maximum()/sign() would compute in double
 
-    def __call__(self, e) -> str:
-        if isinstance(e, Tensor):
-            if e.name in self.inline:
-                return self.inline[e.name]
-            if e.name in self.materialised:
-                return "l_" + e.name
-            return tensor_var(e.name)
-        if isinstance(e, Scalar):
-            return scalar_var(e.name)
-        if isinstance(e, Const):
-            return self.const(e.value)
-        if isinstance(e, Bin):
-            if e.op == "/" and not e.a.is_tensor():
-                # torch computes number / tensor as reciprocal(tensor) * number
-                return f"(({self.const(1.0)} / {self(e.b)}) * {self(e.a)})"
-            return f"({self(e.a)} {e.op} {self(e.b)})"
-        return getattr(self, "fn_" + e.fn)(*e.args)
+    def either(self, x, y):
+        return f"({x}) | ({y})"
 
-    # -- torch's float32 formulas, in torch's evaluation order --------------------------------
-    def fn_neg(self, x):
-        return f"(-{self(x)})"
-
-    def fn_sqrt(self, x):
-        return f"sqrt({self(x)})"
-
-    def fn_abs(self, x):
-        return f"abs({self(x)})"
-
-    def fn_sign(self, x):
-        # torch.sign: (0 < x) - (x < 0); NaN gives 0. (numexpr's sign() computes in double.)
-        x, zero, one, minus = self(x), self.const(0.0), self.const(1.0), self.const(-1.0)
-        return f"where({x} > {zero}, {one}, where({x} < {zero}, {minus}, {zero}))"
-
-    def fn_maximum(self, a, b):
-        # torch.maximum propagates NaN from either side; numexpr's maximum() is double only
-        a, b = self(a), self(b)
-        return f"where(({a} > {b}) | ({a} != {a}), {a}, {b})"
-
-    def fn_where(self, c, a, b):
-        return f"where({self(c)}, {self(a)}, {self(b)})"
-
-    def fn_clamp(self, x, lo, hi):
-        # torch.clamp = min(max(x, lo), hi), NaN propagating
-        x, lo, hi = self(x), self(lo), self(hi)
-        low = f"where({x} < {lo}, {lo}, {x})"
-        return f"where({low} > {hi}, {hi}, {low})"
-
-    def _scaled(self, scale, x):
-        if self.is_const(scale, 1.0):
-            return self(x)
-        return f"({self(scale)} * {self(x)})"
-
-    def fn_add(self, a, b, alpha):
-        if self.is_const(alpha, -1.0):
-            return f"({self(a)} - {self(b)})"
-        return f"({self(a)} + {self._scaled(alpha, b)})"
-
-    def fn_addcmul(self, a, b, c, value):
-        return f"({self(a)} + ({self._scaled(value, b)} * {self(c)}))"
-
-    def fn_addcdiv(self, a, b, c, value):
-        return f"({self(a)} + ({self._scaled(value, b)} / {self(c)}))"
-
-    def fn_lerp(self, a, b, w):
-        # ATen's lerp: small weights go from the start, large ones back from the end
-        a, b = self(a), self(b)
-        if self.lerp_small[w.name]:
-            return f"({a} + ({scalar_var(w.name)} * ({b} - {a})))"
-        return f"({b} - (({b} - {a}) * {lerp_complement_var(w.name)}))"
-
-
-def lerp_weights(program):
-    names = []
-    for st in program.statements:
-        for node in walk(st.expr):
-            if isinstance(node, Call) and node.fn == "lerp" and node.args[2].name not in names:
-                names.append(node.args[2].name)
-    return tuple(names)
+    def sqrt(self, x):
+        return f"sqrt({x})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,19 +118,6 @@ class _Eval:
 def as_numpy(t) -> np.ndarray:
     """A zero-copy numpy view of a real float32 tensor (never a copy)."""
     return t.detach().numpy()
-
-
-def scalar_env(scalars: dict, weights=()) -> dict:
-    """numexpr variables for the step's scalars: float32 values (never float64 literals)."""
-    env = {scalar_var(k): _F32(v) for k, v in scalars.items()}
-    for w in weights:
-        env[lerp_complement_var(w)] = _F32(1.0) - env[scalar_var(w)]
-    return env
-
-
-def lerp_variant(scalars: dict, weights) -> tuple:
-    """Which of ATen's two lerp formulas each weight takes: ``abs(weight) < 0.5`` in float32."""
-    return tuple(bool(abs(_F32(scalars[w])) < _F32(0.5)) for w in weights)
 
 
 @dataclass
@@ -239,6 +144,17 @@ class CompiledProgram:
                 ex_uses_vml=ev.uses_vml,
             )
 
+    def run_chunked(self, units, env: dict, chunk: int, nthreads: int):
+        """Run in place on every unit (name -> same-shaped tensors), ``chunk`` elements at a
+        time (every statement on a chunk before the next chunk), on numexpr's ``nthreads``."""
+        if numexpr.get_num_threads() != nthreads:
+            numexpr.set_num_threads(nthreads)
+        for unit in units:
+            flat = {name: t.detach().view(-1) for name, t in unit.items()}
+            n = flat["param"].numel()
+            for lo in range(0, n, chunk):
+                self.run({name: t[lo : lo + chunk] for name, t in flat.items()}, env)
+
 
 def _compile_expr(out, source):
     names, uses_vml = getExprNames(source, {})
@@ -249,7 +165,7 @@ def _compile_expr(out, source):
 def compile_program(program, variant: tuple) -> CompiledProgram:
     """Compile ``program`` for a lerp variant (see ``lerp_variant``)."""
     materialised = plan_lets(program)
-    low = _Lowering(dict(zip(lerp_weights(program), variant, strict=True)), materialised)
+    low = _Lowering(program, variant, materialised)
     evals = []
     for st in program.statements:
         source = low(st.expr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..spec.ir import Assign, Bin, Call, Const, Let, Scalar, Tensor
+from . import segments
 from .torch_ops import BINARY, FUNCTIONS
 
 logger = logging.getLogger("roundpipe.optim")
@@ -46,19 +47,16 @@ def run_program(program, scalars, tensors):
 
 class ReferenceBackend:
     name = "reference"
-    tensor_subclasses = True  # torch ops on DTensor shards work as in torch.optim
 
     def check_settings(self):
         pass
 
     def run(self, program, scalars, columns, cache=None):
-        """Run ``program`` with ``scalars`` (name -> float) on every parameter of ``columns``.
-
-        ``columns`` maps each of the program's tensor names to a list of real
-        (``view_as_real``) float32 tensors, one per parameter.
-        """
+        """Run ``program`` on every parameter of ``columns`` (see ``backends``), one by one."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("backend=reference: %d parameters, one at a time", len(columns["param"]))
         names = list(columns)
-        for row in zip(*columns.values(), strict=True):
-            run_program(program, scalars, dict(zip(names, row, strict=True)))
+        rows = list(zip(*columns.values(), strict=True))
+        for values, start, stop in segments(scalars, len(rows)):
+            for row in rows[start:stop]:
+                run_program(program, values, dict(zip(names, row, strict=True)))

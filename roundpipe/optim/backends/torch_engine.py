@@ -1,5 +1,5 @@
 """The torch engine of the ``fast`` backend: a spec program as a list of torch ``out=`` ops,
-run over cache-sized chunks.
+run over cache-sized chunks, the chunks shared out to roundpipe's threads.
 
 torch's own for-loop allocates a full-size temporary for each intermediate (``sqrt()``,
 ``/``), which on tensors far above the L3 cache costs page faults and memory traffic. This
@@ -11,17 +11,16 @@ op of the same name (``torch_ops.py``), so results equal the reference backend's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
+from .. import threads
 from ..spec.ir import Assign, Bin, Const, Let, Scalar, Tensor
 from .torch_ops import BINARY, COMPARISONS, FUNCTIONS
 
-# Elements per chunk: 256 Ki float32 = 1 MiB per operand. Measured on the 2-core EPYC (32 MiB
-# L3): 4 x 16M Adam took 100 ms in 256 Ki chunks, 161 ms in 1 Mi, 133 ms in 64 Ki, and
-# 536 ms unchunked (one temporary per op).
-CHUNK = 1 << 18
+CHUNK = 1 << 18  # elements per chunk when none is given (see fast.CHUNK)
 
 
 @dataclass(frozen=True)
@@ -42,26 +41,47 @@ class TorchProgram:
     instrs: tuple
     n_float: int
     n_bool: int
+    _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+
+    def _slots(self, size: int):
+        """This thread's scratch slots of ``size`` elements (kept for the next call)."""
+        slots = getattr(self._local, "slots", None)
+        if slots is None or slots[0] < size:
+            f = [torch.empty(size) for _ in range(self.n_float)]
+            b = [torch.empty(size, dtype=torch.bool) for _ in range(self.n_bool)]
+            slots = self._local.slots = (size, f, b)
+        return slots
+
+    def run_range(self, flat: dict, start: int, stop: int, scalars: dict):
+        """Run on elements ``[start, stop)`` of ``flat`` (name -> 1-D tensor) in place."""
+        m = stop - start
+        size, fslots, bslots = self._slots(m)
+        env_t = {name: t[start:stop] for name, t in flat.items()}
+        env_r = fslots if m == size else [s[:m] for s in fslots]
+        env_b = bslots if m == size else [s[:m] for s in bslots]
+        for ins in self.instrs:
+            args = [_get(a, env_t, env_r, env_b, scalars) for a in ins.args]
+            ins.op(*args, out=_get(ins.out, env_t, env_r, env_b, scalars))
 
     def run(self, tensors: dict, scalars: dict, chunk: int | None = None):
         """Run in place on ``tensors`` (name -> real float32 tensor, all the same shape)."""
-        chunk = chunk or CHUNK
-        flat = {name: t.detach().view(-1) for name, t in tensors.items()}
-        n = flat["param"].numel()
-        if n == 0:
-            return
-        size = min(n, chunk)
-        fslots = [torch.empty(size) for _ in range(self.n_float)]
-        bslots = [torch.empty(size, dtype=torch.bool) for _ in range(self.n_bool)]
-        for start in range(0, n, size):
-            stop = min(start + size, n)
-            m = stop - start
-            env_t = {name: t[start:stop] for name, t in flat.items()}
-            env_r = fslots if m == size else [s[:m] for s in fslots]
-            env_b = bslots if m == size else [s[:m] for s in bslots]
-            for ins in self.instrs:
-                args = [_get(a, env_t, env_r, env_b, scalars) for a in ins.args]
-                ins.op(*args, out=_get(ins.out, env_t, env_r, env_b, scalars))
+        self.run_parallel([tensors], scalars, chunk or CHUNK, 1)
+
+    def run_parallel(self, units, scalars: dict, chunk: int, nthreads: int):
+        """Run in place on every unit (name -> same-shaped real float32 tensors) in chunks of
+        ``chunk`` elements, on ``nthreads`` threads taking chunks as they go, with torch's
+        intra-op pool held at one thread (so each op is one plain loop, no parallel region)."""
+        work = []
+        for unit in units:
+            flat = {name: t.detach().view(-1) for name, t in unit.items()}
+            n = flat["param"].numel()
+            work.extend((flat, lo, min(lo + chunk, n)) for lo in range(0, n, chunk))
+
+        def one(item):
+            self.run_range(item[0], item[1], item[2], scalars)
+
+        with threads.torch_threads(1):
+            threads.run_parallel(work, one, nthreads)
 
 
 def _get(ref, env_t, env_r, env_b, scalars):

@@ -1,0 +1,184 @@
+"""The one lowering of the IR's functions to torch's float32 formulas, for compiled engines.
+
+``reference`` and the torch engine call torch ops (``torch_ops.py``). The compiled engines
+(numexpr strings in ``numexpr_engine.py``, numba source in ``native.py``) need each function
+written out as arithmetic, in the order torch's CPU kernels round it. That is done here, once;
+an engine subclasses :class:`Lowering` and supplies its *dialect*: how to name a tensor,
+how to write a select, a logical or, a square root, and whether a sub-expression used twice
+must be bound to a local first. The formulas:
+
+* ``number / tensor`` is ``reciprocal(tensor) * number`` (torch's ``__rtruediv__``);
+* ``sign``: ``(0 < x) - (x < 0)``, NaN gives 0; ``maximum`` and ``clamp`` propagate NaN;
+* ``add(a, b, alpha)`` = ``a + alpha * b``; ``addcmul`` = ``a + (value * b) * c``;
+  ``addcdiv`` = ``a + (value * b) / c``;
+* ``lerp(a, b, w)``: ATen's two branches, ``a + w * (b - a)`` for ``|w| < 0.5``, else
+  ``b - (b - a) * (1 - w)`` (which branch is fixed per program *variant*, see ``lerp_variant``);
+* where torch's vectorized kernel rounds ``a * b + c`` once (``fused``: some of ``add``,
+  ``addcmul``, ``lerp``, measured by ``native.torch_fusion``), the dialect's ``fma``.
+
+Every scalar and constant is a named float32 variable: numexpr and numba would compute a
+float literal in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..spec.ir import Bin, Call, Const, Scalar, Tensor, walk
+
+_F32 = np.float32
+
+
+def scalar_var(name: str) -> str:
+    return "s_" + name
+
+
+def lerp_complement_var(name: str) -> str:
+    return "s_" + name + "__1m"
+
+
+def const_var(value: float) -> str:
+    """A stable identifier for a float32 constant (its bits)."""
+    bits = np.array(value, dtype=_F32).view(np.uint32).item()
+    return f"c_{bits:08x}"
+
+
+def lerp_weights(program) -> tuple:
+    """The scalar names used as lerp weights, in order of first use."""
+    names = []
+    for st in program.statements:
+        for node in walk(st.expr):
+            if isinstance(node, Call) and node.fn == "lerp" and node.args[2].name not in names:
+                names.append(node.args[2].name)
+    return tuple(names)
+
+
+def lerp_variant(scalars: dict, weights) -> tuple:
+    """Which of ATen's two lerp formulas each weight takes: ``abs(weight) < 0.5`` in float32."""
+    return tuple(bool(abs(_F32(scalars[w])) < _F32(0.5)) for w in weights)
+
+
+def scalar_env(scalars: dict, weights=()) -> dict:
+    """The compiled engines' scalar variables: float32 values (never float64 literals)."""
+    env = {scalar_var(k): _F32(v) for k, v in scalars.items()}
+    for w in weights:
+        env[lerp_complement_var(w)] = _F32(1.0) - env[scalar_var(w)]
+    return env
+
+
+class Lowering:
+    """Expression -> source text. Subclasses define the dialect (the methods that raise)."""
+
+    def __init__(self, program, variant: tuple, fused=frozenset()):
+        self.lerp_small = dict(zip(lerp_weights(program), variant, strict=True))
+        self.fused = frozenset(fused)
+        self.scalars: list[str] = []  # scalar variables used, in order
+        self.consts: dict[str, float] = {}  # constant variable -> value
+
+    # -- the dialect -------------------------------------------------------------------------
+    def tensor(self, name: str) -> str:
+        raise NotImplementedError
+
+    def select(self, cond: str, a: str, b: str) -> str:
+        raise NotImplementedError
+
+    def either(self, x: str, y: str) -> str:
+        raise NotImplementedError
+
+    def sqrt(self, x: str) -> str:
+        raise NotImplementedError
+
+    def fma(self, a: str, b: str, c: str) -> str:
+        """``a * b + c`` rounded once (only called for functions in ``fused``)."""
+        raise NotImplementedError
+
+    def bind(self, code: str) -> str:
+        """A name for a sub-expression used more than once (default: repeat it)."""
+        return code
+
+    # -- leaves -------------------------------------------------------------------------------
+    def scalar(self, name: str) -> str:
+        var = scalar_var(name)
+        if var not in self.scalars:
+            self.scalars.append(var)
+        return var
+
+    def const(self, value: float) -> str:
+        name = const_var(value)
+        self.consts[name] = value
+        return name
+
+    def __call__(self, e) -> str:
+        if isinstance(e, Tensor):
+            return self.tensor(e.name)
+        if isinstance(e, Scalar):
+            return self.scalar(e.name)
+        if isinstance(e, Const):
+            return self.const(e.value)
+        if isinstance(e, Bin):
+            if e.op == "/" and not e.a.is_tensor():
+                # torch computes number / tensor as reciprocal(tensor) * number
+                return f"(({self.const(1.0)} / {self(e.b)}) * {self(e.a)})"
+            return f"({self(e.a)} {e.op} {self(e.b)})"
+        return getattr(self, "fn_" + e.fn)(*e.args)
+
+    # -- torch's float32 formulas, in torch's rounding order ---------------------------------
+    def fn_neg(self, x):
+        return f"(-{self(x)})"
+
+    def fn_sqrt(self, x):
+        return self.sqrt(self(x))
+
+    def fn_abs(self, x):
+        return f"abs({self(x)})"
+
+    def fn_sign(self, x):
+        x, zero = self.bind(self(x)), self.const(0.0)
+        minus = self.select(f"{x} < {zero}", self.const(-1.0), zero)
+        return self.select(f"{x} > {zero}", self.const(1.0), minus)
+
+    def fn_maximum(self, a, b):
+        a, b = self.bind(self(a)), self.bind(self(b))
+        return self.select(self.either(f"{a} > {b}", f"{a} != {a}"), a, b)
+
+    def fn_where(self, c, a, b):
+        return self.select(self(c), self(a), self(b))
+
+    def fn_clamp(self, x, lo, hi):
+        # min(max(x, lo), hi), NaN propagating
+        x, lo, hi = self.bind(self(x)), self(lo), self(hi)
+        low = self.bind(self.select(f"{x} < {lo}", lo, x))
+        return self.select(f"{low} > {hi}", hi, low)
+
+    def _scaled(self, scale, x):
+        if isinstance(scale, Const) and scale.value == 1.0:
+            return self(x)
+        return f"({self(scale)} * {self(x)})"
+
+    def fn_add(self, a, b, alpha):
+        if isinstance(alpha, Const) and alpha.value in (1.0, -1.0):
+            return f"({self(a)} {'+' if alpha.value == 1.0 else '-'} {self(b)})"
+        if "add" in self.fused:
+            return self.fma(self(alpha), self(b), self(a))
+        return f"({self(a)} + {self._scaled(alpha, b)})"
+
+    def fn_addcmul(self, a, b, c, value):
+        if "addcmul" in self.fused:
+            return self.fma(self._scaled(value, b), self(c), self(a))
+        return f"({self(a)} + ({self._scaled(value, b)} * {self(c)}))"
+
+    def fn_addcdiv(self, a, b, c, value):
+        return f"({self(a)} + ({self._scaled(value, b)} / {self(c)}))"
+
+    def fn_lerp(self, a, b, w):
+        a, b = self.bind(self(a)), self.bind(self(b))
+        fused = "lerp" in self.fused
+        if self.lerp_small[w.name]:
+            w = self.scalar(w.name)
+            return self.fma(w, f"({b} - {a})", a) if fused else f"({a} + ({w} * ({b} - {a})))"
+        comp = lerp_complement_var(w.name)
+        if comp not in self.scalars:
+            self.scalars.append(comp)
+        if fused:  # end - (end - start) * (1 - w), rounded once
+            return self.fma(f"({a} - {b})", comp, b)
+        return f"({b} - (({b} - {a}) * {comp}))"

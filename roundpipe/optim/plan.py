@@ -1,0 +1,427 @@
+"""The step plan: everything a step needs, built once and checked cheaply at every step.
+
+A plan records, for each param group, the parameters that have a gradient, their state dicts
+and state tensors, the real float32 local tensors the backends step (``view_as_real`` of complex
+tensors, the local shard of a ``DTensor``), and *units*: parameters whose 0-d state (``step``,
+...) and init flags are equal, so the spec's ``scalars`` runs once per unit, not per parameter.
+
+Per step, ``StepPlan.check`` verifies only what can change between steps, with a few list
+comprehensions and no per-tensor Python calls beyond attribute reads:
+
+* the param groups, their ``params`` lists, ``optimizer.state`` and its dicts are the same
+  objects (``add_param_group`` and ``load_state_dict`` replace them), the options the groups'
+  hyperparameters select are the same;
+* the same parameters have gradients, and the parameters' storage is where it was (a ``.data``
+  swap moves it); each state tensor the step reads is the same object;
+* every gradient is well formed (the contract: dense, contiguous, CPU, dtype and shape of its
+  parameter).
+
+Anything else makes ``check`` answer False, and the step rebuilds the plan (the slow path, which
+validates everything, creates missing state and says exactly what is wrong). A failed check
+never leaves anything modified.
+
+Measured on ~2,000 small tensors (1 thread, AMD EPYC, Adam): a check costs about 0.8 us per
+parameter (gradient attribute reads and checks 0.45, addresses 0.2, state identities 0.15).
+"""
+
+from __future__ import annotations
+
+import operator
+from operator import attrgetter
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .spec.core import Options
+
+SUPPORTED_DTYPES = (torch.float32, torch.complex64)
+_STRIDED = torch.strided
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_VERSION = attrgetter("_version")
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch built without distributed
+    DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t):
+    """The tensor a backend steps: a DTensor's local shard, else the tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def real(t):
+    """The real float32 view a backend steps (complex64 tensors as ``view_as_real``)."""
+    t = local(t)
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+# ----------------------------------------------------------------------------------------------
+# the contract: one check per kind of tensor, returning what is wrong (None: nothing)
+
+
+def tensor_problem(t, what: str, like=None):
+    """``(exception class, message)`` if ``t`` breaks the contract, else None.
+
+    ``like``: the parameter whose dtype and shape ``t`` (a gradient or state tensor) must have.
+    """
+    if not isinstance(t, torch.Tensor):
+        return KeyError, f"{what} is missing or not a tensor ({type(t).__name__})"
+    if is_dtensor(t):
+        bad = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+        if bad:
+            return ValueError, f"{what} is a DTensor with placements {t.placements}; only Shard and Replicate"
+        t, like = t._local_tensor, (local(like) if like is not None else None)
+    elif type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+        return TypeError, (
+            f"{what} is a {type(t).__name__} (a tensor subclass); roundpipe steps plain tensors and "
+            "DTensor shards"
+        )
+    if t.device.type != "cpu":
+        return ValueError, f"{what} is on device {t.device}; only CPU tensors are supported"
+    if t.layout != _STRIDED:
+        return RuntimeError, f"{what} has layout {t.layout}; only dense tensors are supported (no sparse)"
+    if like is None:
+        if t.dtype not in SUPPORTED_DTYPES:
+            return TypeError, (
+                f"{what}: dtype {t.dtype} is not supported; use torch.float32 (or torch.complex64) "
+                "master weights"
+            )
+    else:
+        if t.dtype != like.dtype:
+            return TypeError, f"{what} has dtype {t.dtype}, expected {like.dtype}"
+        if t.shape != like.shape:
+            return RuntimeError, f"{what} has shape {tuple(t.shape)}, expected {tuple(like.shape)}"
+    if not t.is_contiguous():
+        return ValueError, f"{what} is not contiguous (strides {t.stride()}); call .contiguous()"
+    return None
+
+
+def scalar_state_problem(t, what: str):
+    if not (isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()):
+        return KeyError, f"{what} must be a 0-d floating tensor, got {t!r}"
+    return None
+
+
+def _raise(problem, where: str):
+    cls, msg = problem
+    raise cls(f"{where}{msg}")
+
+
+def where_of(cls_name, gi, pi, p) -> str:
+    return (
+        f"roundpipe.optim.{cls_name}: param_groups[{gi}]['params'][{pi}] "
+        f"(shape {tuple(p.shape)}, dtype {p.dtype})"
+    )
+
+
+def _grads_ok(grads, shapes, dtypes) -> bool:
+    """The fast form of tensor_problem for plain gradients (True: all well formed)."""
+    return (
+        all([type(g) in _PLAIN for g in grads])
+        and [g.shape for g in grads] == shapes
+        and [g.dtype for g in grads] == dtypes
+        and all([g.is_cpu for g in grads])
+        and all([g.layout is _STRIDED for g in grads])
+        and all([g.is_contiguous() for g in grads])
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan
+
+
+class Unit:
+    """Parameters of one group whose 0-d state and init flags are equal: one ``scalars`` call."""
+
+    __slots__ = ("group_plan", "positions", "flags", "scalar_columns", "columns", "versions", "pending")
+
+    def __init__(self, group_plan, positions, flags):
+        self.group_plan = group_plan
+        self.positions = positions  # indices into group_plan.params
+        self.flags = flags
+        states = [group_plan.states[i] for i in positions]
+        self.scalar_columns = {n: [st[n] for st in states] for n in group_plan.scalar_names}
+        self.columns = {"param": [group_plan.reals[i] for i in positions]}
+        for name in group_plan.inputs:
+            self.columns[name] = [real(st[name]) for st in states]
+        self.versions = None  # sum of the 0-d state's version counters after our last write
+        self.pending = None
+
+    def uniform(self) -> bool:
+        """Whether the members' 0-d state is still equal. Version counters only grow, and the
+        step's write adds exactly one to each: if their sum is what that write left, nobody
+        else wrote them since (0.1 us per tensor, half of comparing the values)."""
+        cols = self.scalar_columns
+        if len(self.positions) < 2 or not cols:
+            return True
+        total = sum([sum(map(_VERSION, c)) for c in cols.values()])
+        if total != self.versions and not all(uniform_column(c) for c in cols.values()):
+            return False
+        self.pending = total + len(self.positions) * len(cols)
+        return True
+
+    def written(self):
+        self.versions = self.pending
+
+
+class GroupPlan:
+    __slots__ = (
+        "gi",
+        "group",
+        "params_list",
+        "n_params",
+        "options",
+        "indices",
+        "params",
+        "states",
+        "inputs",
+        "scalar_names",
+        "reals",
+        "shapes",
+        "dtypes",
+        "ptrs",
+        "tensors",
+        "plain",
+        "complex",
+        "units",
+    )
+
+    def __init__(self, spec, gi, group, indices, params, states, init_flags, options):
+        self.gi = gi
+        self.group = group
+        self.params_list = group["params"]
+        self.n_params = len(self.params_list)
+        self.options = options
+        self.indices = indices
+        self.params = params
+        self.states = states
+        o = Options(options)
+        self.inputs = [n for n in spec.inputs(o) if n not in ("param", "grad")]
+        self.scalar_names = spec.scalar_state
+        self.reals = [real(p) for p in params]
+        self.shapes = [p.shape for p in params]
+        self.dtypes = [p.dtype for p in params]
+        self.plain = not any(is_dtensor(p) for p in params)
+        self.complex = [i for i, p in enumerate(params) if p.is_complex()]
+        self.ptrs = _ptrs(params, self.plain)
+        # every state tensor the step reads or writes, by name, for the identity check
+        self.tensors = {n: [st[n] for st in states] for n in (*self.inputs, *self.scalar_names)}
+        self.units = _units(self, init_flags)
+
+    def grads(self):
+        """This step's gradients, or None when a check fails (the caller rebuilds)."""
+        params = self.params
+        grads = [p.grad for p in params]
+        if not all([g is not None for g in grads]):  # not `None in grads`: that calls Tensor.__eq__
+            return None
+        if self.plain:
+            if not _grads_ok(grads, self.shapes, self.dtypes):
+                return None
+        else:
+            for p, g in zip(params, grads, strict=True):
+                if tensor_problem(g, "", like=p) is not None:
+                    return None
+        return grads
+
+    def grad_columns(self, grads, unit):
+        """The unit's real float32 local gradient tensors."""
+        if self.plain and not self.complex:
+            if len(unit.positions) == len(grads):
+                return grads
+            return [grads[i] for i in unit.positions]
+        return [real(grads[i]) for i in unit.positions]
+
+
+def _ptrs(params, plain):
+    if plain:
+        return [p.data_ptr() for p in params]
+    return [local(p).data_ptr() for p in params]
+
+
+def _units(gp, init_flags):
+    names = gp.scalar_names
+    states = gp.states
+    n = len(gp.params)
+    if n and all(f == init_flags[0] for f in init_flags) and _uniform(states, names):
+        return [Unit(gp, list(range(n)), init_flags[0])]
+    buckets: dict = {}
+    for i, (st, flags) in enumerate(zip(states, init_flags, strict=True)):
+        key = (tuple(sorted(flags.items())), tuple((st[m].item(), st[m].dtype) for m in names))
+        buckets.setdefault(key, []).append(i)
+    return [Unit(gp, pos, dict(key[0])) for key, pos in buckets.items()]
+
+
+def _uniform(states, names) -> bool:
+    """True when every state holds the same values and dtypes in its 0-d entries ``names``."""
+    for n in names:
+        col = [st[n] for st in states]
+        if not uniform_column(col):
+            return False
+    return True
+
+
+def uniform_column(col) -> bool:
+    if len(col) < 2:
+        return True
+    dtype = col[0].dtype
+    if any(t.dtype != dtype for t in col):
+        return False
+    stacked = torch.stack(col)
+    return bool((stacked == stacked[0]).all())
+
+
+class StepPlan:
+    """The plan of one optimizer (see the module docstring)."""
+
+    def __init__(self, opt, groups):
+        self.param_groups = opt.param_groups
+        self.n_groups = len(opt.param_groups)
+        self.state = opt.state
+        self.state_ids = list(map(id, opt.state.values()))
+        self.groups = groups
+        self.cache: dict = {}  # launch key -> (static columns, backend cache)
+        self.one_shot = False
+
+    def check(self, opt, spec):
+        """This step's gradients per group, or None if the plan no longer holds."""
+        if self.one_shot:
+            return None
+        if opt.param_groups is not self.param_groups or len(opt.param_groups) != self.n_groups:
+            return None
+        if opt.state is not self.state or list(map(id, opt.state.values())) != self.state_ids:
+            return None
+        out = []
+        is_ = operator.is_
+        for gp, group in zip(self.groups, opt.param_groups, strict=False):
+            if group is not gp.group or group["params"] is not gp.params_list:
+                return None
+            if len(gp.params_list) != gp.n_params or spec.options(group) != gp.options:
+                return None
+            if len(gp.indices) != gp.n_params and sum([p.grad is not None for p in gp.params_list]) != len(
+                gp.indices
+            ):
+                return None
+            grads = gp.grads() if gp.params else []
+            if grads is None or _ptrs(gp.params, gp.plain) != gp.ptrs:
+                return None
+            for st_name, tensors in gp.tensors.items():
+                if not all(map(is_, [st[st_name] for st in gp.states], tensors)):
+                    return None
+            out.append(grads)
+        if len(out) != len(self.groups):  # a group with grads that the plan has not seen
+            return None
+        return out
+
+
+def build(opt, spec):
+    """Validate everything, create missing state, return ``(plan, grads, created)``.
+
+    ``created`` lists the state entries this call added, for ``rollback`` if the step fails
+    later; on a failure here they are rolled back before the error propagates.
+    """
+    name = type(opt).__name__
+    state = opt.state
+    work, seen = [], set()
+    for gi, group in enumerate(opt.param_groups):
+        indices = [pi for pi, p in enumerate(group["params"]) if p.grad is not None]
+        params = [group["params"][pi] for pi in indices]
+        for pi, p in zip(indices, params, strict=True):
+            where = where_of(name, gi, pi, p)
+            problem = tensor_problem(p, "") or tensor_problem(p.grad, ": its grad", like=p)
+            if problem is not None:
+                _raise(problem, where)
+        ids = list(map(id, params))
+        if len(set(ids)) != len(ids) or not seen.isdisjoint(ids):
+            _raise_duplicate(name, gi, indices, params, seen)
+        seen.update(ids)
+        work.append((gi, group, indices, params))
+    _check_overlap(name, work)
+    created = []  # (param, state dict, number of entries it had, whether it was added to state)
+    try:
+        groups = []
+        for gi, group, indices, params in work:
+            options = spec.options(group)
+            o = Options(options)
+            inputs = [n for n in spec.inputs(o) if n not in ("param", "grad")]
+            states, init_flags = [], []
+            for p in params:
+                st = state.get(p)
+                fresh = st is None
+                if fresh:
+                    st = {}
+                before = len(st)
+                init_flags.append(spec.init_state(group, p, st) or {})
+                if len(st) != before:
+                    if fresh:
+                        state[p] = st  # torch creates state only where it stores something
+                    created.append((p, st, before, fresh))
+                states.append(st)
+            for p, pi, st in zip(params, indices, states, strict=True):
+                where = where_of(name, gi, pi, p)
+                for n in spec.scalar_state:
+                    problem = scalar_state_problem(st.get(n), f": optimizer state {n!r}")
+                    if problem is not None:
+                        _raise(problem, where)
+                for n in inputs:
+                    problem = tensor_problem(st.get(n), f": optimizer state {n!r}", like=p)
+                    if problem is not None:
+                        _raise(problem, where)
+            groups.append(GroupPlan(spec, gi, group, indices, params, states, init_flags, options))
+        plan = StepPlan(opt, groups)
+        # init flags (SGD's ``first``) hold for the step that created the state only
+        plan.one_shot = bool(created)
+    except BaseException:
+        rollback(state, created)
+        raise
+    return plan, [[p.grad for p in gp.params] for gp in groups], created
+
+
+def rollback(state, created):
+    """Remove the state entries a failed step created (``created`` from ``build``)."""
+    for p, st, before, fresh in reversed(created):
+        for key in list(st)[before:]:
+            del st[key]
+        if fresh and state.get(p) is st:
+            del state[p]
+
+
+def _raise_duplicate(cls_name, gi, indices, params, seen):
+    local_ids = set()
+    for pi, p in zip(indices, params, strict=True):
+        if id(p) in seen or id(p) in local_ids:
+            raise ValueError(
+                f"{where_of(cls_name, gi, pi, p)} appears more than once in param_groups; "
+                "torch.optim would step it twice (deprecated there), roundpipe refuses"
+            )
+        local_ids.add(id(p))
+
+
+def _check_overlap(cls_name, work):
+    """Refuse parameters that overlap in memory: torch's for-loop and foreach paths give
+    different results for them (each updates in place what the other reads). A DTensor is
+    checked by its local shard (its own ``data_ptr()`` is 0)."""
+    spans = []
+    for gi, _, indices, params in work:
+        for pi, p in zip(indices, params, strict=True):
+            t = local(p)
+            n = t.numel()
+            if n:
+                start = t.data_ptr()
+                spans.append((start, start + n * t.element_size(), gi, pi, p))
+    if len(spans) < 2:
+        return
+    spans.sort(key=lambda s: s[0])
+    end, prev = spans[0][1], spans[0]
+    for span in spans[1:]:
+        if span[0] < end:
+            raise ValueError(
+                f"{where_of(cls_name, span[2], span[3], span[4])} overlaps in memory with "
+                f"param_groups[{prev[2]}]['params'][{prev[3]}]; parameters must not share elements"
+            )
+        if span[1] > end:
+            end, prev = span[1], span

@@ -22,8 +22,8 @@ import warnings
 import torch
 
 from . import backends
+from .plan import adopt_flat_state, rollback
 from .plan import build as build_plan
-from .plan import rollback
 
 
 class RoundpipeOptimizer(torch.optim.Optimizer):
@@ -78,11 +78,11 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         try:
             if grads is None:
                 self._roundpipe_plan = None
-                plan, grads, created = build_plan(self, self.spec)
+                plan, grads, created = build_plan(self, self.spec, backend)
                 self._roundpipe_plan = plan
             schedule = self._schedule(plan, grads)
             if schedule is None:  # a unit's 0-d state is no longer uniform: re-bucket
-                plan, grads, more = build_plan(self, self.spec)
+                plan, grads, more = build_plan(self, self.spec, backend)
                 created += more
                 self._roundpipe_plan = plan
                 schedule = self._schedule(plan, grads)
@@ -187,6 +187,14 @@ def _make_init(cls, torch_cls):
                 arguments[opt] = None
         self._roundpipe_backend = backends.resolve(backend)
         torch_cls.__init__(*bound.args, **bound.kwargs)
+        below = getattr(backends.get(self._roundpipe_backend), "flat_state_below", 0)
+        if below and self.state:  # state torch's __init__ created (Adagrad): nobody has seen it
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p in self.state]
+                names = (
+                    [n for n in self.state[params[0]] if n not in self.spec.scalar_state] if params else []
+                )
+                adopt_flat_state(params, [self.state[p] for p in params], names, below)
 
     __init__.__signature__ = public_sig
     __init__.__qualname__ = f"{cls.__name__}.__init__"

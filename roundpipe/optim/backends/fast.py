@@ -66,16 +66,52 @@ def engine_setting(engine: str | None = None) -> str:
 
 
 class _Workspace:
-    """Flat buffers for a batch of small parameters, and their parameter-shaped views."""
+    """Flat buffers for a batch of small parameters.
 
-    def __init__(self, names, shapes, numels):
+    A column whose tensors already lie back to back in one buffer (the state the step plan
+    keeps in flat buffers, see ``plan.py``, or parameters a framework flattened) is stepped
+    there directly (``direct``); the others get a buffer of their own (``flat``), filled and
+    emptied with one ``torch._foreach_copy_`` each per step (``views``).
+    """
+
+    def __init__(self, names, members, numels):
         total = sum(numels)
-        self.flat = {}
-        self.views = {}
+        self.names = names
+        self.flat, self.views, self.direct, self.sources = {}, {}, {}, {}
+        self.direct_names = []
         for name in names:
-            buf = torch.empty(total)
-            self.flat[name] = buf
-            self.views[name] = [v.view(s) for v, s in zip(buf.split(numels), shapes, strict=True)]
+            direct = contiguous_run(members[name])
+            self.direct[name] = direct
+            self.sources[name] = members[name]
+            if direct is not None:
+                self.flat[name] = direct
+                self.direct_names.append(name)
+            else:
+                buf = torch.empty(total)
+                self.flat[name] = buf
+                self.views[name] = [
+                    v.view(t.shape) for v, t in zip(buf.split(numels), members[name], strict=True)
+                ]
+
+
+def contiguous_run(tensors):
+    """The 1-D tensor that ``tensors`` (contiguous, in order) tile exactly, or None."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    base = first._base
+    if base is None or base.dtype != first.dtype or not base.is_contiguous():
+        return None
+    storage = base.untyped_storage().data_ptr()
+    pos = first.storage_offset()
+    for t in tensors:
+        if t._base is not base or t.storage_offset() != pos or not t.is_contiguous():
+            return None
+        pos += t.numel()
+    if first.untyped_storage().data_ptr() != storage:
+        return None
+    start = first.storage_offset() - base.storage_offset()
+    return base.view(-1)[start : start + pos - first.storage_offset()]
 
 
 _torch_programs = CompileCache()
@@ -84,6 +120,9 @@ _numexpr_programs = CompileCache()
 
 class FastBackend:
     """See the module docstring; ``engine``: fixed engine (None: the environment, the default)."""
+
+    # the step plan keeps the state of small parameters in flat buffers (plan.adopt_flat_state)
+    flat_state_below = SMALL_NUMEL
 
     def __init__(self, engine: str | None = None):
         if engine is not None:
@@ -164,21 +203,32 @@ class FastBackend:
             cache.pop("ws", None)
         _, small, large, numels = plan
         units = [{name: columns[name][i] for name in names} for i in large]
-        members = None
-        if small:
-            ws = cache.get("ws")
-            if ws is None or ws[0] != names:
-                shapes = [params[i].shape for i in small]
-                ws = cache["ws"] = (names, _Workspace(names, shapes, [numels[i] for i in small]))
-            ws = ws[1]
-            whole = len(small) == len(params)
-            members = {name: columns[name] if whole else [columns[name][i] for i in small] for name in names}
-            for name in names:
-                torch._foreach_copy_(ws.views[name], members[name])
-            units.append(ws.flat)
+        if not small:
+            execute(units)
+            return
+        whole = len(small) == len(params)
+        subsets = cache.setdefault("members", {})  # name -> (column, its small members)
+        members = {}
+        for name in names:
+            column = columns[name]
+            hit = subsets.get(name)
+            if whole:
+                members[name] = column
+            elif hit is not None and hit[0] is column:
+                members[name] = hit[1]
+            else:
+                members[name] = [column[i] for i in small]
+                subsets[name] = (column, members[name])
+        ws = cache.get("ws")
+        if ws is None or ws.names != names or any(ws.sources[n] is not members[n] for n in ws.direct_names):
+            ws = cache["ws"] = _Workspace(names, members, [numels[i] for i in small])
+        gathered = [name for name in names if ws.direct[name] is None]
+        for name in gathered:
+            torch._foreach_copy_(ws.views[name], members[name])
+        units.append(ws.flat)
         execute(units)
-        if members is not None:
-            for name in program.targets:
+        for name in program.targets:
+            if ws.direct[name] is None:
                 torch._foreach_copy_(members[name], ws.views[name])
 
 

@@ -1,117 +1,294 @@
-"""Demo: train one small MLP twice, with torch.optim.AdamW and with roundpipe.optim.AdamW.
+"""Demo: train a small GPT-style language model with torch's AdamW and roundpipe's, side by side.
 
-    python -m roundpipe.demo [--steps 50] [--backend fast] [--threads N]
+    python -m roundpipe.demo [--steps 30] [--threads N] [--backend fast] [--small]
 
-Both runs start from the same weights and see the same mini-batches, so their gradients are
-equal as long as their parameters are: the demo prints the largest parameter difference every
-few steps, the final loss of both, and the median ``optimizer.step()`` time of each (the two
-steps alternate in one process, so machine noise hits both alike). It exits with status 1 if
-the parameters do not match (``torch.testing.assert_close``).
+Identical copies of one model (token and position embeddings, pre-LayerNorm transformer
+blocks with separate q/k/v/o projections, an untied output head: about 29M parameters in 69
+tensors, from 8M-element matrices down to 512-element biases and LayerNorm weights) train on
+the same synthetic token stream (a random successor table: each token is followed by one of 4
+tokens, so there is something to learn; nothing is downloaded), each with its own AdamW:
+
+* ``torch for-loop``: ``torch.optim.AdamW(foreach=False)``, torch's default for CPU tensors;
+* ``torch fused``: ``torch.optim.AdamW(fused=True)``, torch's fused CPU kernel;
+* ``roundpipe <backend>``: ``roundpipe.optim.AdamW``, default backend (``fast``) or ``--backend``;
+* ``roundpipe native``: ``backend="native"``, where numba is installed.
+
+Every step, each copy runs its forward and backward pass on the same batch and then its
+optimizer step; the order of the copies rotates from step to step, so machine noise hits them
+alike. The demo times the forward+backward pass and the ``optimizer.step()`` of each copy and
+prints the medians side by side and the speedups over torch's for-loop. Then the parameter
+match: one step of each optimizer from the for-loop copy's final parameters, gradients and
+state, against the for-loop's step (a roundpipe step must pass ``torch.testing.assert_close``,
+else the exit status is 1), and how far the trained copies ended up from the for-loop copy.
+Copies whose steps differ in the last bits drift apart during training (their gradients
+differ, and Adam turns tiny gradient differences into steps of about lr); torch fused shows
+the scale. Every number printed is measured in this run.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
 
 import numexpr
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from roundpipe import optim as rp_optim
 
-
-def make_model(d_in: int, hidden: int) -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(d_in, hidden),
-        torch.nn.GELU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.GELU(),
-        torch.nn.Linear(hidden, 1),
-    )
+# (vocab, width, layers, heads, context, batch): the default model, and --small's (for tests)
+SIZES = {"default": (16384, 512, 4, 8, 64, 2), "small": (512, 64, 2, 4, 16, 2)}
+SUCCESSORS = 4  # each token of the synthetic language is followed by one of this many tokens
+HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+LOOP, FUSED = "torch for-loop", "torch fused"
 
 
-def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+def torch_for_loop(params):
+    """torch's default AdamW for CPU tensors: the for-loop (``foreach=False``)."""
+    return torch.optim.AdamW(params, foreach=False, **HYPER)
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: causal self-attention, then a 4x GELU MLP."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (
+            m(h).view(b, t, self.heads, d // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v)
+        )
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, context: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos.weight[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def synthetic_tokens(vocab: int, context: int, sequences: int, gen: torch.Generator) -> torch.Tensor:
+    """``sequences`` rows of ``context + 1`` tokens from a random successor table."""
+    successors = torch.randint(0, vocab, (vocab, SUCCESSORS), generator=gen)
+    tokens = torch.empty(sequences, context + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (sequences,), generator=gen)
+    for t in range(context):
+        pick = torch.randint(0, SUCCESSORS, (sequences,), generator=gen)
+        tokens[:, t + 1] = successors[tokens[:, t], pick]
+    return tokens
+
+
+def optimizer_kinds(backend: str | None, with_native: bool) -> dict:
+    """name -> a function that makes that AdamW for some parameters; a roundpipe name carries
+    the backend actually used (``roundpipe fast``)."""
+    kinds = {
+        LOOP: torch_for_loop,
+        FUSED: lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
+    }
+    probe = [nn.Parameter(torch.zeros(1))]
+    chosen = rp_optim.AdamW(probe, backend=backend).backend  # None: the environment, else "fast"
+    kinds[f"roundpipe {chosen}"] = lambda ps: rp_optim.AdamW(ps, backend=chosen, **HYPER)
+    if with_native and chosen != "native":
+        try:
+            rp_optim.AdamW(probe, backend="native")
+        except ImportError as e:
+            print(f"(roundpipe native left out: {e})")
+        else:
+            kinds["roundpipe native"] = lambda ps: rp_optim.AdamW(ps, backend="native", **HYPER)
+    return kinds
+
+
+def one_step_check(make, model: nn.Module, opt) -> tuple[float, str | None]:
+    """From ``model``'s parameters and gradients and ``opt``'s state (the for-loop copy's), one
+    step with torch's for-loop and one with ``make``'s optimizer: (max abs difference of the
+    parameters, None or the mismatch that ``torch.testing.assert_close`` reports)."""
+    stepped = []
+    for factory in (torch_for_loop, make):
+        m = copy.deepcopy(model)
+        for p, q in zip(m.parameters(), model.parameters(), strict=True):
+            p.grad = q.grad.clone()
+        o = factory(m.parameters())
+        o.load_state_dict(copy.deepcopy(opt.state_dict()))
+        o.step()
+        stepped.append(m)
+    diff = max_abs_diff(*stepped)
+    try:
+        for p, q in zip(stepped[1].parameters(), stepped[0].parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach())
+    except AssertionError as e:
+        return diff, str(e)
+    return diff, None
+
+
+def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def table(header, rows) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(cells):
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
+
+    return "\n".join([fmt(header), "-+-".join("-" * w for w in widths), *map(fmt, rows)])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m roundpipe.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--backend", default=None, help="roundpipe backend (default: fast)")
-    parser.add_argument("--threads", type=int, help="set torch's and numexpr's thread counts")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    parser.add_argument(
+        "--backend", default=None, help="roundpipe backend (default: fast, or the environment's)"
+    )
+    parser.add_argument("--no-native", action="store_true", help="leave out the native copy")
+    parser.add_argument(
+        "--threads", type=int, help="set torch's (and so roundpipe's) and numexpr's thread counts"
+    )
+    parser.add_argument("--small", action="store_true", help="a tiny model (for tests: seconds)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.threads:
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
         torch.set_num_threads(args.threads)
         numexpr.set_num_threads(args.threads)
 
+    try:
+        kinds = optimizer_kinds(args.backend, with_native=not args.no_native)
+    except (ValueError, ImportError) as e:  # an unknown backend, or native without numba
+        parser.error(str(e))
+
+    vocab, d, layers, heads, context, batch = SIZES["small" if args.small else "default"]
     torch.manual_seed(args.seed)
-    d_in, hidden, n, batch = 64, 512, 4096, 256
-    # synthetic regression: a random "teacher" network plus noise
-    x = torch.randn(n, d_in)
-    with torch.no_grad():
-        y = make_model(d_in, 64)(x) + 0.01 * torch.randn(n, 1)
-    ours = make_model(d_in, hidden)
-    theirs = copy.deepcopy(ours)
-    n_params = sum(p.numel() for p in ours.parameters())
-
-    hyper = {"lr": 1e-3, "weight_decay": 1e-2}
-    runs = {
-        "torch.optim.AdamW": (theirs, torch.optim.AdamW(theirs.parameters(), **hyper)),
-        "roundpipe.optim.AdamW": (ours, rp_optim.AdamW(ours.parameters(), backend=args.backend, **hyper)),
-    }
-    rp_backend = runs["roundpipe.optim.AdamW"][1].backend
-    print(
-        f"MLP {d_in}-{hidden}-{hidden}-1 ({n_params:,} parameters), {args.steps} AdamW steps "
-        f"(lr={hyper['lr']}, weight_decay={hyper['weight_decay']}), batch {batch} of {n} samples; "
-        f"roundpipe backend {rp_backend!r}; threads: torch {torch.get_num_threads()}, "
-        f"numexpr {numexpr.get_num_threads()}"
-    )
-    print(f"{'step':>4} | {'loss torch':>12} | {'loss roundpipe':>14} | max |param diff|")
-
-    step_times = {name: [] for name in runs}
     gen = torch.Generator().manual_seed(args.seed + 1)
+    data = synthetic_tokens(vocab, context, 64 * batch, gen)
+    model = GPT(vocab, d, layers, heads, context)
+    sizes = sorted(p.numel() for p in model.parameters())
+    runs = {}
+    for name, make in kinds.items():
+        m = copy.deepcopy(model)
+        runs[name] = (m, make(m.parameters()))
+    del model
+    names = list(runs)
+
+    load = f"; load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
+    print(
+        f"GPT-style language model: vocab {vocab}, d {d}, {layers} layers, {heads} heads, context "
+        f"{context}; {sum(sizes):,} parameters in {len(sizes)} tensors ({sizes[0]:,} to {sizes[-1]:,} "
+        f"elements)\nsynthetic tokens (each token followed by one of {SUCCESSORS}), batch {batch} x "
+        f"{context}; {args.steps} steps of AdamW(lr={HYPER['lr']}, betas={HYPER['betas']}, "
+        f"weight_decay={HYPER['weight_decay']}) per copy\nthreads: torch {torch.get_num_threads()}, "
+        f"roundpipe {rp_optim.get_num_threads()}, numexpr {numexpr.get_num_threads()}{load}"
+    )
+    print(" | ".join(["step"] + [f"loss {n}" for n in names]))
+
+    step_s = {n: [] for n in names}
+    fwd_s = {n: [] for n in names}
+    losses: dict = {}
     for step in range(args.steps):
-        idx = torch.randint(0, n, (batch,), generator=gen)
-        xb, yb = x[idx], y[idx]
-        losses = {}
-        names = list(runs) if step % 2 == 0 else list(reversed(runs))  # alternate who goes first
-        for name in names:
+        idx = torch.randint(0, data.shape[0], (batch,), generator=gen)
+        x, y = data[idx, :-1], data[idx, 1:]
+        for k in range(len(names)):
+            name = names[(step + k) % len(names)]  # rotate who goes first
             model, opt = runs[name]
             opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(xb), yb)
-            loss.backward()
             t0 = time.perf_counter()
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            t1 = time.perf_counter()
             opt.step()
-            step_times[name].append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            fwd_s[name].append(t1 - t0)
+            step_s[name].append(t2 - t1)
             losses[name] = loss.item()
-        if step % 10 == 0 or step == args.steps - 1:
-            lt, lr_ = losses["torch.optim.AdamW"], losses["roundpipe.optim.AdamW"]
-            print(f"{step:>4} | {lt:>12.6f} | {lr_:>14.6f} | {max_param_diff(ours, theirs):.3e}")
+        if step % 5 == 0 or step == args.steps - 1:
+            print(" | ".join([f"{step:>4}"] + [f"{losses[n]:>{len(n) + 5}.5f}" for n in names]))
 
-    with torch.no_grad():
-        final = {name: torch.nn.functional.mse_loss(m(x), y).item() for name, (m, _) in runs.items()}
+    loop_model, loop_opt = runs[LOOP]
+    med_step = {n: statistics.median(step_s[n]) for n in names}
+    med_fwd = {n: statistics.median(fwd_s[n]) for n in names}
+    drift = {n: max_abs_diff(runs[n][0], loop_model) for n in names}
+    checks = {n: one_step_check(kinds[n], loop_model, loop_opt) for n in names if n != LOOP}
+
+    def equal_or(x: float) -> str:
+        return "bitwise equal" if x == 0 else f"{x:.2e}"
+
+    rows = [
+        [
+            f"{n} AdamW",
+            f"{med_step[n] * 1e3:.1f}",
+            f"{med_fwd[n] * 1e3:.1f}",
+            f"{100 * med_step[n] / (med_step[n] + med_fwd[n]):.0f}%",
+            f"{med_step[LOOP] / med_step[n]:.2f}x",
+            "-" if n == LOOP else equal_or(checks[n][0]),
+            "-" if n == LOOP else equal_or(drift[n]),
+        ]
+        for n in names
+    ]
+    header = [
+        f"median of {args.steps} steps",
+        "step ms",
+        "fwd+bwd ms",
+        "step share",
+        "step speedup",
+        "1-step diff",
+        f"diff after {args.steps} steps",
+    ]
     print()
-    for name in runs:
-        ms = statistics.median(step_times[name]) * 1e3
-        print(f"{name:<22} final loss {final[name]:.6f}   median step {ms:.3f} ms")
-    t_torch = statistics.median(step_times["torch.optim.AdamW"])
-    t_rp = statistics.median(step_times["roundpipe.optim.AdamW"])
-    print(f"speedup of roundpipe over torch's default (for-loop) AdamW: {t_torch / t_rp:.2f}x")
-
-    try:
-        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
-            torch.testing.assert_close(p.detach(), q.detach())
-    except AssertionError as e:
-        print(f"MISMATCH: roundpipe's parameters differ from torch's:\n{e}", file=sys.stderr)
-        return 1
-    diff = max_param_diff(ours, theirs)
-    how = "bitwise equal" if diff == 0 else f"assert_close; max abs difference {diff:.3e}"
-    print(f"parameters match torch's ({how})")
-    return 0
+    print(table(header, rows))
+    print(
+        "step speedup: for-loop step / step; diffs: max |param - torch for-loop's|, after one step from the "
+        "for-loop copy's final state, and between the trained copies"
+    )
+    print()
+    for n in names:
+        if n.startswith("roundpipe"):
+            backend = n.removeprefix("roundpipe ")
+            over_loop, over_fused = med_step[LOOP] / med_step[n], med_step[FUSED] / med_step[n]
+            print(
+                f"speedup of roundpipe ({backend}) over torch's default (for-loop) AdamW: "
+                f"{over_loop:.2f}x (over torch fused: {over_fused:.2f}x)"
+            )
+    status = 0
+    for n in names:
+        if not n.startswith("roundpipe"):
+            continue
+        diff, mismatch = checks[n]
+        if mismatch:
+            print(f"MISMATCH: one {n} step differs from torch's for-loop step:\n{mismatch}", file=sys.stderr)
+            status = 1
+        else:
+            how = "bitwise equal" if diff == 0 else f"assert_close, max abs difference {diff:.2e}"
+            print(f"{n}: a step matches torch's for-loop step ({how})")
+    if any(drift[n] for n in names):
+        print(
+            "(copies whose steps differ in the last bits drift apart in training: their gradients differ, "
+            "and Adam scales every gradient to a step of about lr; torch fused shows the scale)"
+        )
+    return status
 
 
 if __name__ == "__main__":

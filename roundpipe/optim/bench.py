@@ -1,37 +1,47 @@
 """Benchmark roundpipe.optim against torch.optim's CPU paths, side by side in one process.
 
     python -m roundpipe.optim.bench [--quick] [--optimizers Adam,SGD] [--workloads small,large]
-                                    [--backends fast,reference] [--repeats N] [--warmup N]
-                                    [--threads N] [--json PATH] [--plot PATH.png]
+                                    [--backends fast,native | all] [--busy N] [--repeats N]
+                                    [--warmup N] [--threads N] [--json PATH] [--plot PATH.png]
 
-For every optimizer that ``roundpipe.optim`` provides (the others are skipped with a message) and
-every workload, the same parameters and gradients (seeded) are stepped by each configuration:
+For every optimizer and workload, the same parameters and gradients (seeded) are stepped by each
+engine, one column each:
 
-* ``torch for-loop``  ``torch.optim.<Name>(..., foreach=False)``
-* ``torch foreach``   ``torch.optim.<Name>(..., foreach=True)``
-* ``torch fused``     ``torch.optim.<Name>(..., fused=True)``, where torch has a CPU kernel
+* ``for-loop``  ``torch.optim.<Name>(..., foreach=False)`` (torch's default for CPU tensors)
+* ``foreach``   ``torch.optim.<Name>(..., foreach=True)``
+* ``fused``     ``torch.optim.<Name>(..., fused=True)``, where torch has a CPU kernel
   (detected by trying; in torch 2.13: Adam, AdamW, SGD, Adagrad)
-* ``rp <backend>``    ``roundpipe.optim.<Name>(..., backend=<backend>)``; ``fast`` by default
+* ``<backend>`` ``roundpipe.optim.<Name>(..., backend=<backend>)`` for each ``--backends`` entry:
+  ``fast`` (its default engine, or ``ROUNDPIPE_OPTIM_ENGINE``), ``fast:torch``, ``fast:numexpr``,
+  ``native`` (needs numba), ``reference``. Default: ``fast`` and, where numba is installed,
+  ``native``; ``--backends all`` times every engine (``fast:torch``, ``fast:numexpr``, ``native``,
+  ``reference``).
 
 Methodology (the machine may be shared and noisy):
 
 * each configuration takes ``--warmup`` steps first (state creation, compilation caches);
 * then the configurations step round-robin (the starting one rotates each round) for
-  ``--repeats`` rounds; the reported time is the **median** step time of each;
+  ``--repeats`` rounds; the reported time is the **median** step time of each, and every ratio
+  is between two medians of the same run;
 * the memory bandwidth is measured in the same run (in-place ``mul_`` and ``copy_`` on 256 MiB
   arrays, before and after the optimizers; the higher of the two medians is the ceiling);
-* the bandwidth-bound time of a step is the minimal traffic (each tensor the step reads, read
-  once, plus each tensor it writes, written once: ``BYTES_PER_ELEMENT`` below) divided by that
-  bandwidth; "% bw" is that bound over the measured median (100% = at the memory limit);
+* the bandwidth-bound time of a step is its minimal traffic divided by that bandwidth; "% bw" is
+  that bound over the measured median (100% = at the memory limit). The minimal traffic is
+  derived from the spec program a step runs (``traffic``): each tensor the program uses before
+  it assigns it, read once, plus each tensor it assigns, written once, 4 bytes per fp32 element;
 * after timing, each roundpipe backend is checked against torch's for-loop: two steps from
   identical fresh inputs, ``torch.testing.assert_close`` on parameters and state. A mismatch is
   reported in the table instead of a speedup and makes the exit status 1;
-* configurations are built for one optimizer at a time and freed before the next.
+* configurations are built for one optimizer at a time and freed before the next;
+* ``--busy N`` starts N processes that each keep a core busy (a pure-Python loop) before the
+  first measurement and stops them after the last, to measure a machine that is doing other
+  work too (data loading, the Python main thread, feeding a GPU): compare with a quiet run.
 
-``--quick`` (about a minute on 2 vCPUs): 1 warm-up step and 3 repetitions instead of 2 and 7;
-``large`` is 4 x 2M elements instead of 4 x 16M (still 128 MiB of Adam state, far above L3);
-``transformer`` keeps d=512 but has a 8000-token embedding and 2 layers instead of 32000 and 8;
-``small`` is unchanged; the bandwidth probe uses 128 MiB arrays.
+``--quick`` (a minute or two on 2 idle vCPUs with the default backends; ``all`` takes longer):
+1 warm-up step and 3 repetitions instead of 2 and 7; ``large`` is 4 x 2M elements instead of
+4 x 16M (still 128 MiB of Adam state, far above L3); ``transformer`` keeps d=512 but has a
+8000-token embedding and 2 layers instead of 32000 and 8; ``small`` is unchanged; the bandwidth
+probe uses 128 MiB arrays.
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numexpr
@@ -53,7 +65,9 @@ import numpy as np
 import torch
 
 from roundpipe import optim as rp_optim
+from roundpipe.optim import backends as rp_backends
 from roundpipe.optim.spec import SPECS
+from roundpipe.optim.spec.ir import Assign, Tensor, walk
 
 # the eleven optimizers, in the spec registry's order
 ALL_OPTIMIZERS = tuple(SPECS)
@@ -62,47 +76,73 @@ ALL_OPTIMIZERS = tuple(SPECS)
 OPTIONS = {name: {} for name in ALL_OPTIMIZERS}
 OPTIONS["SGD"] = {"momentum": 0.9}
 
-# Minimal bytes a step moves per fp32 element with the settings above (steady state): every
-# tensor the step reads, read once, plus every tensor it writes, written once, 4 bytes each.
-BYTES_PER_ELEMENT = {
-    # reads param, grad, square_avg, acc_delta; writes param, square_avg, acc_delta
-    "Adadelta": 28,
-    # reads param, grad, sum; writes param, sum
-    "Adagrad": 20,
-    # reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
-    "Adam": 28,
-    # reads param, grad, exp_avg, exp_inf; writes param, exp_avg, exp_inf
-    "Adamax": 28,
-    # as Adam (the decoupled decay reads the param that is read anyway)
-    "AdamW": 28,
-    # reads param, grad; writes param, ax (t0=1e6: mu == 1, so ax = param and the old ax is unread)
-    "ASGD": 16,
-    # reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
-    "NAdam": 28,
-    # reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
-    "RAdam": 28,
-    # reads param, grad, square_avg; writes param, square_avg (momentum=0, centered=False)
-    "RMSprop": 20,
-    # reads param, grad, prev, step_size; writes param, prev, step_size
-    "Rprop": 28,
-    # reads param, grad, momentum_buffer; writes param, momentum_buffer
-    "SGD": 20,
-}
-
 WORKLOADS = ("large", "small", "transformer")
-ENV_PREFIXES = ("ROUNDPIPE_", "OMP_", "NUMEXPR_", "MKL_")  # environment variables worth reporting
+# every roundpipe engine (``--backends all``): fast with each of its engines, native, reference
+ALL_BACKENDS = ("fast:torch", "fast:numexpr", "native", "reference")
+ENV_PREFIXES = ("ROUNDPIPE_", "OMP_", "NUMEXPR_", "MKL_", "NUMBA_")  # environment worth reporting
 TORCH_CONFIGS = ("torch for-loop", "torch foreach", "torch fused")
 LOOP, FOREACH, FUSED = TORCH_CONFIGS
-
-
-def rp_threads():
-    """The thread count roundpipe's steps use, where roundpipe.optim reports one."""
-    get = getattr(rp_optim, "get_num_threads", None)
-    return get() if get else None
+ELEMENT_BYTES = torch.float32.itemsize  # every workload is fp32
+STEADY_STEP = 10  # the step whose program gives the traffic: past every optimizer's first steps
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def label(config: str) -> str:
+    """A configuration's column name: ``for-loop``, ``foreach``, ``fused`` or the backend."""
+    return config.removeprefix("torch ").removeprefix("rp ")
+
+
+# ---------------------------------------------------------------------------------------------
+# minimal traffic, from the spec
+
+
+def steady_program(name: str):
+    """The spec program a step of ``name`` runs with ``OPTIONS[name]`` once past its first steps.
+
+    Its options come from the group (``spec.options``), its flags from ``init_state`` (a step
+    that finds the state already there) and from ``scalars`` at step ``STEADY_STEP``, as the
+    optimizer's own step computes them.
+    """
+    spec = SPECS[name]
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    group = spec.torch_class([p], **OPTIONS[name]).param_groups[0]
+    state: dict = {}
+    spec.init_state(group, p, state)  # the first step creates the state ...
+    flags = dict(spec.init_state(group, p, state) or {})  # ... the later ones find it
+    scalar_state = {k: state[k] for k in spec.scalar_state}
+    for _ in range(STEADY_STEP):
+        values = spec.scalars(group, scalar_state)
+    flags.update((k, v) for k, v in values.items() if isinstance(v, bool))
+    return spec.program({**spec.options(group), **flags})
+
+
+def traffic(program) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(read, written)``: the tensors a one-pass step must load, and those it must store.
+
+    A tensor is loaded if a statement uses it before any statement assigns it (after that its
+    value is the one just computed); every target is stored.
+    """
+    read: list[str] = []
+    assigned: set[str] = set()
+    for st in program.statements:
+        for node in walk(st.expr):
+            name = node.name if isinstance(node, Tensor) else None
+            if name in program.tensors and name not in assigned and name not in read:
+                read.append(name)
+        if isinstance(st, Assign):
+            assigned.add(st.target)
+    return tuple(read), tuple(program.targets)
+
+
+def bytes_per_element(name: str) -> tuple[int, tuple[str, ...], tuple[str, ...]]:
+    """Minimal bytes a steady-state step of ``name`` moves per fp32 element, and what it reads
+    and writes."""
+    read, written = traffic(steady_program(name))
+    return ELEMENT_BYTES * (len(read) + len(written)), read, written
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +199,7 @@ def has_fused(name: str) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            getattr(torch.optim, name)([p], fused=True, **OPTIONS[name]).step()
+            SPECS[name].torch_class([p], fused=True, **OPTIONS[name]).step()
     except Exception:
         return False
     return True
@@ -167,12 +207,13 @@ def has_fused(name: str) -> bool:
 
 def make_optimizer(config: str, name: str, params):
     kwargs = OPTIONS[name]
+    torch_class = SPECS[name].torch_class
     if config == LOOP:
-        return getattr(torch.optim, name)(params, foreach=False, **kwargs)
+        return torch_class(params, foreach=False, **kwargs)
     if config == FOREACH:
-        return getattr(torch.optim, name)(params, foreach=True, **kwargs)
+        return torch_class(params, foreach=True, **kwargs)
     if config == FUSED:
-        return getattr(torch.optim, name)(params, fused=True, **kwargs)
+        return torch_class(params, fused=True, **kwargs)
     backend = config.removeprefix("rp ")
     return getattr(rp_optim, name)(params, backend=backend, **kwargs)
 
@@ -193,15 +234,31 @@ def check(name: str, backend: str, base_params, base_grads, steps: int = 2) -> s
         for _ in range(steps):
             ref.step()
             rp.step()
-        for i, (a, b) in enumerate(zip(ref_params, rp_params, strict=True)):
-            torch.testing.assert_close(b.detach(), a.detach(), msg=lambda m, i=i: f"param {i}: {m}")
-            for key, v in ref.state[a].items():
-                w = rp.state[b].get(key)
-                if isinstance(v, torch.Tensor):
-                    torch.testing.assert_close(w, v, msg=lambda m, i=i, k=key: f"param {i} state {k!r}: {m}")
+        # the parameters, then each state entry: all tensors at once, then one by one to say where
+        pairs = [("param", list(rp_params), list(ref_params))]
+        for key, v in ref.state[ref_params[0]].items():
+            if isinstance(v, torch.Tensor):
+                pairs.append(
+                    (
+                        f"state {key!r}",
+                        [rp.state[b].get(key) for b in rp_params],
+                        [ref.state[a][key] for a in ref_params],
+                    )
+                )
+        for what, got, expected in pairs:
+            try:
+                torch.testing.assert_close(_flat(got), _flat(expected))
+            except (AssertionError, AttributeError, RuntimeError, TypeError):  # a mismatch, a missing entry
+                for i, (w, v) in enumerate(zip(got, expected, strict=True)):
+                    torch.testing.assert_close(w, v, msg=lambda m, i=i, what=what: f"{what} {i}: {m}")
+                raise
     except Exception as e:  # an AssertionError, or the backend failing
         return f"{type(e).__name__}: {e}".strip()
     return None
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +292,54 @@ def summarize_bandwidth(samples: dict, numel: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# a busy machine
+
+# Each --busy process: ignore Ctrl-C (the benchmark stops it), say it runs, spin until its parent
+# is gone (a benchmark killed without cleaning up leaves nothing behind).
+_SPIN = """\
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+parent = os.getppid()
+sys.stdout.write("spinning\\n")
+sys.stdout.flush()
+while os.getppid() == parent:
+    for _ in range(100000):
+        pass
+"""
+
+
+@contextmanager
+def busy(n: int):
+    """``n`` processes that each keep a core busy (a pure-Python loop) until the block exits.
+
+    They are new interpreters (``subprocess``, no fork of this process and its thread pools),
+    running once this returns, and stopped when the block exits for any reason (an error,
+    Ctrl-C); if this process dies without stopping them, they notice and exit by themselves.
+    """
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _SPIN],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        for proc in procs:
+            if proc.stdout.readline().strip() != b"spinning":
+                raise RuntimeError(f"a --busy process did not start (exit status {proc.wait()})")
+        yield [proc.pid for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+            proc.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------------
 # the run
 
 
@@ -242,6 +347,8 @@ def summarize_bandwidth(samples: dict, numel: int) -> dict:
 class Row:
     optimizer: str
     bytes_per_element: int
+    reads: tuple  # the tensors a step must read, and write (``traffic``)
+    writes: tuple
     numel: int
     median_ms: dict = field(default_factory=dict)  # config -> ms
     min_ms: dict = field(default_factory=dict)
@@ -250,9 +357,9 @@ class Row:
     checks: dict = field(default_factory=dict)  # backend -> None or message
 
 
-def bench_one(name, configs, base_params, base_grads, warmup, repeats, label) -> Row:
+def bench_one(name, configs, base_params, base_grads, warmup, repeats, wl) -> Row:
     numel = sum(p.numel() for p in base_params)
-    row = Row(name, BYTES_PER_ELEMENT[name], numel)
+    row = Row(name, *bytes_per_element(name), numel)
     live = {}
     for config in configs:
         try:
@@ -261,7 +368,7 @@ def bench_one(name, configs, base_params, base_grads, warmup, repeats, label) ->
                 opt.step()
         except Exception as e:
             row.errors[config] = f"{type(e).__name__}: {e}"
-            log(f"  [{label}] {name} {config}: FAILED: {row.errors[config]}")
+            log(f"  [{wl}] {name} {config}: FAILED: {row.errors[config]}")
             continue
         live[config] = opt
     order = list(live)
@@ -284,25 +391,7 @@ def bench_one(name, configs, base_params, base_grads, warmup, repeats, label) ->
     return row
 
 
-def run(args) -> dict:
-    quick = args.quick
-    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-    repeats = args.repeats if args.repeats is not None else (3 if quick else 7)
-    bw_numel = (32 if quick else 64) * 2**20
-    bw_repeats = 5 if quick else 9
-
-    available = [n for n in args.optimizers if hasattr(rp_optim, n)]
-    missing = [n for n in args.optimizers if n not in available]
-    if missing:
-        log(
-            f"note: roundpipe.optim does not provide {', '.join(missing)} (yet); skipped. "
-            f"It provides: {', '.join(n for n in ALL_OPTIMIZERS if hasattr(rp_optim, n)) or 'none'}"
-        )
-    if not available:
-        raise SystemExit("error: none of the requested optimizers exists in roundpipe.optim")
-    fused = {n: has_fused(n) for n in available}
-    rp_configs = ["rp " + b for b in args.backends]
-
+def machine_meta(args) -> dict:
     meta = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -314,22 +403,56 @@ def run(args) -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "numexpr_threads": numexpr.get_num_threads(),
-        "roundpipe_threads": rp_threads(),
+        "roundpipe_threads": rp_optim.get_num_threads(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
+    }
+    if "native" in args.backends:
+        import numba
+
+        meta["numba"] = numba.__version__
+        meta["numba_threads"] = numba.config.NUMBA_NUM_THREADS
+    return meta
+
+
+def thread_pools() -> list[str]:
+    """The OpenMP and BLAS pools loaded in this process, as threadpoolctl reads them (torch's
+    libgomp, numba's OpenMP layer, numpy's OpenBLAS): which ran and how wide, for the report."""
+    from threadpoolctl import threadpool_info
+
+    return [
+        f"{i['internal_api']} {i['num_threads']} threads ({os.path.basename(i['filepath'])})"
+        for i in threadpool_info()
+    ]
+
+
+def run(args, busy_pids=()) -> dict:
+    quick = args.quick
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    repeats = args.repeats if args.repeats is not None else (3 if quick else 7)
+    bw_numel = (32 if quick else 64) * 2**20
+    bw_repeats = 5 if quick else 9
+
+    fused = {n: has_fused(n) for n in args.optimizers}
+    rp_configs = ["rp " + b for b in args.backends]
+    meta = {
+        **machine_meta(args),
+        "busy": args.busy,
+        "busy_pids": list(busy_pids),
+        "load_average_before": args.load_before,
         "quick": quick,
         "warmup": warmup,
         "repeats": repeats,
         "backends": args.backends,
-        "optimizers": available,
-        "skipped_optimizers": missing,
-        "options": {n: OPTIONS[n] for n in available},
+        "optimizers": args.optimizers,
+        "options": {n: OPTIONS[n] for n in args.optimizers},
         "fused_available": fused,
         "argv": sys.argv[1:],
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     log(
-        f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}; "
-        f"warm-up {warmup}, repetitions {repeats}"
+        f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
+        f"roundpipe {meta['roundpipe_threads']}; warm-up {warmup}, repetitions {repeats}; "
+        f"engines: for-loop, foreach, fused, {', '.join(args.backends)}; busy processes: {args.busy}"
     )
     log("measuring memory bandwidth ...")
     bw_samples = measure_bandwidth(bw_numel, bw_repeats)
@@ -341,7 +464,7 @@ def run(args) -> dict:
         numel = sum(p.numel() for p in base_params)
         log(f"[{wl}] {desc}: {len(base_params)} tensors, {numel:,} elements")
         rows = []
-        for name in available:
+        for name in args.optimizers:
             t0 = time.perf_counter()
             configs = [LOOP, FOREACH] + ([FUSED] if fused[name] else []) + rp_configs
             row = bench_one(name, configs, base_params, base_grads, warmup, repeats, wl)
@@ -350,9 +473,9 @@ def run(args) -> dict:
                     continue
                 row.checks[b] = check(name, b, base_params, base_grads)
                 if row.checks[b] is not None:
-                    log(f"  [{wl}] {name} rp {b}: MISMATCH with torch: {row.checks[b]}")
+                    log(f"  [{wl}] {name} {b}: MISMATCH with torch: {row.checks[b]}")
             gc.collect()
-            times = ", ".join(f"{c} {ms:.2f}" for c, ms in row.median_ms.items())
+            times = ", ".join(f"{label(c)} {ms:.2f}" for c, ms in row.median_ms.items())
             log(f"  [{wl}] {name}: {times} ms  ({time.perf_counter() - t0:.1f}s)")
             rows.append(row)
         results[wl] = {"description": desc, "tensors": len(base_params), "numel": numel, "rows": rows}
@@ -364,6 +487,7 @@ def run(args) -> dict:
         bw_samples[op] += more[op]
     bandwidth = summarize_bandwidth(bw_samples, bw_numel)
     meta["elapsed_s"] = time.perf_counter() - t_start
+    meta["thread_pools"] = thread_pools()
     return {"meta": meta, "bandwidth": bandwidth, "workloads": results}
 
 
@@ -371,24 +495,32 @@ def run(args) -> dict:
 # reporting
 
 
+def configs_of(backends) -> list[str]:
+    """Every column: torch's three paths, then the roundpipe backends."""
+    return list(TORCH_CONFIGS) + ["rp " + b for b in backends]
+
+
 def bound_ms(row: Row, gbps: float) -> float:
     return row.bytes_per_element * row.numel / (gbps * 1e9) * 1e3
 
 
 def derived(row: Row, backends, gbps: float) -> dict:
-    """Speedups and bandwidth fractions of each roundpipe backend."""
+    """Per column: speedup over torch's for-loop and over torch fused, fraction of the bound."""
     out = {"bound_ms": bound_ms(row, gbps)}
     loop, fused = row.median_ms.get(LOOP), row.median_ms.get(FUSED)
-    for b in backends:
-        ms = row.median_ms.get("rp " + b)
+    for config in configs_of(backends):
+        ms = row.median_ms.get(config)
         if ms is None:
             continue
-        out[b] = {
+        d = {
+            "median_ms": ms,
             "speedup_vs_for_loop": loop / ms if loop else None,
             "speedup_vs_fused": fused / ms if fused else None,
             "fraction_of_bandwidth_limit": out["bound_ms"] / ms,
-            "matches_torch": row.checks.get(b) is None,
         }
+        if config.startswith("rp "):
+            d["matches_torch"] = row.checks.get(label(config)) is None
+        out[label(config)] = d
     return out
 
 
@@ -396,68 +528,92 @@ def fmt_ms(v):
     return "n/a" if v is None else f"{v:.2f}" if v < 100 else f"{v:.1f}"
 
 
-def format_table(wl: str, res: dict, backends, gbps: float) -> str:
-    header = ["optimizer", "B/elem", "for-loop ms", "foreach ms", "fused ms"]
-    for b in backends:
-        header += [f"{b} ms"]
-    for b in backends:
-        header += [f"{b} vs loop", f"{b} vs fused", f"{b} % bw"]
-    header += ["bw-bound ms"]
-    lines = []
-    for row in res["rows"]:
-        d = derived(row, backends, gbps)
-        cells = [row.optimizer, str(row.bytes_per_element)]
-        cells += [fmt_ms(row.median_ms.get(c)) for c in TORCH_CONFIGS]
-        cells += [fmt_ms(row.median_ms.get("rp " + b)) for b in backends]
-        for b in backends:
-            if b not in d:
-                cells += ["ERROR"] * 3
-            elif not d[b]["matches_torch"]:
-                cells += ["MISMATCH"] * 3
-            else:
-                x = d[b]
-                cells += [
-                    f"{x['speedup_vs_for_loop']:.2f}x",
-                    "n/a" if x["speedup_vs_fused"] is None else f"{x['speedup_vs_fused']:.2f}x",
-                    f"{100 * x['fraction_of_bandwidth_limit']:.0f}%",
-                ]
-        cells.append(fmt_ms(d["bound_ms"]))
-        lines.append(cells)
+def _table(header, lines) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    title = f"workload {wl}: {res['description']}; {res['tensors']} tensors, {res['numel']:,} elements"
 
     def fmt(cells):
         pairs = zip(cells, widths, strict=True)
         return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(pairs))
 
-    sep = "-+-".join("-" * w for w in widths)
-    return "\n".join([title, fmt(header), sep, *[fmt(c) for c in lines]])
+    return [fmt(header), "-+-".join("-" * w for w in widths), *[fmt(c) for c in lines]]
+
+
+def _ratio(row: Row, d: dict, config: str, key: str) -> str:
+    if config in row.errors:
+        return "ERROR"
+    if config.startswith("rp ") and row.checks.get(label(config)):
+        return "MISMATCH"
+    v = d.get(label(config), {}).get(key)
+    if v is None:
+        return "n/a"
+    return f"{100 * v:.0f}%" if key == "fraction_of_bandwidth_limit" else f"{v:.2f}x"
+
+
+def format_tables(wl: str, res: dict, backends, gbps: float) -> str:
+    """The workload's tables: median ms per step of every column, then ratios between medians."""
+    configs = configs_of(backends)
+    rp = [c for c in configs if c.startswith("rp ")]
+    rows = res["rows"]
+    ds = [derived(row, backends, gbps) for row in rows]
+    times = [
+        [row.optimizer, str(row.bytes_per_element), fmt_ms(d["bound_ms"])]
+        + [fmt_ms(row.median_ms.get(c)) for c in configs]
+        for row, d in zip(rows, ds, strict=True)
+    ]
+    out = [
+        f"workload {wl}: {res['description']}; {res['tensors']} tensors, {res['numel']:,} elements",
+        "median ms per step:",
+        *_table(["optimizer", "B/elem", "bw-bound"] + [label(c) for c in configs], times),
+    ]
+    sections = [
+        ("speedup over torch for-loop (for-loop median / median):", "speedup_vs_for_loop", configs[1:]),
+        ("speedup over torch fused (fused median / median):", "speedup_vs_fused", rp),
+        ("% of the bandwidth bound (bw-bound / median):", "fraction_of_bandwidth_limit", [FUSED, *rp]),
+    ]
+    for title, key, columns in sections:
+        lines = [
+            [row.optimizer] + [_ratio(row, d, c, key) for c in columns]
+            for row, d in zip(rows, ds, strict=True)
+            if key != "speedup_vs_fused" or FUSED in row.median_ms
+        ]
+        if lines:
+            out += ["", title, *_table(["optimizer"] + [label(c) for c in columns], lines)]
+    return "\n".join(out)
 
 
 def report(result: dict, backends) -> str:
     meta, bw = result["meta"], result["bandwidth"]
     gbps = bw["ceiling_GBps"]
+    versions = (
+        f"torch {meta['torch']}, numexpr {meta['numexpr']} (vml {meta['numexpr_use_vml']}), "
+        f"numpy {meta['numpy']}, python {meta['python']}"
+    )
+    if "numba" in meta:
+        versions += f", numba {meta['numba']} (NUMBA_NUM_THREADS {meta['numba_threads']})"
+    load = meta["load_average_before"]
     out = [
-        f"roundpipe.optim benchmark ({'quick' if meta['quick'] else 'full'}): torch {meta['torch']}, "
-        f"numexpr {meta['numexpr']} (vml {meta['numexpr_use_vml']}), numpy {meta['numpy']}, "
-        f"python {meta['python']}",
+        f"roundpipe.optim benchmark ({'quick' if meta['quick'] else 'full'}): {versions}",
         f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
         f"roundpipe step {meta['roundpipe_threads']}, cpus {meta['cpu_count']}; "
         f"median of {meta['repeats']} round-robin repetitions "
         f"after {meta['warmup']} warm-up step(s)",
+        (
+            f"busy: {meta['busy']} other process(es) spinning a pure-Python loop during the whole run"
+            if meta["busy"]
+            else "busy: none (a quiet run: no --busy processes)"
+        )
+        + (f"; load average before the run {load[0]:.2f}" if load else ""),
         f"memory bandwidth (bytes read + written; in-place mul_ on {bw['mul_']['bytes'] // 2**21} MiB, "
         "copy_ between two such arrays): "
         f"mul_ {bw['mul_']['GBps']:.1f} GB/s, copy_ {bw['copy_']['GBps']:.1f} GB/s; "
         f"ceiling used: {gbps:.1f} GB/s",
-        "times are median ms per step; 'vs loop'/'vs fused' = torch time / roundpipe time; "
-        "'% bw' = bandwidth-bound time / roundpipe time",
+        "B/elem: bytes a step must read and write per element (from its spec program); "
+        "bw-bound: B/elem x elements / bandwidth ceiling, in ms",
     ]
     if meta["env"]:
         out.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(meta["env"].items())))
-    if meta["skipped_optimizers"]:
-        out.append(f"not in roundpipe.optim yet (skipped): {', '.join(meta['skipped_optimizers'])}")
     for wl, res in result["workloads"].items():
-        out += ["", format_table(wl, res, backends, gbps)]
+        out += ["", format_tables(wl, res, backends, gbps)]
     failures = failures_of(result, backends)
     if failures:
         out += ["", "FAILURES (roundpipe errors or mismatches with torch; no speedup reported):"]
@@ -490,11 +646,13 @@ def to_json(result: dict, backends) -> dict:
             rows[row.optimizer] = {
                 "options": OPTIONS[row.optimizer],
                 "bytes_per_element": row.bytes_per_element,
+                "reads": row.reads,
+                "writes": row.writes,
                 "numel": row.numel,
-                "median_ms": row.median_ms,
-                "min_ms": row.min_ms,
-                "samples_ms": row.samples_ms,
-                "errors": row.errors,
+                "median_ms": {label(c): v for c, v in row.median_ms.items()},
+                "min_ms": {label(c): v for c, v in row.min_ms.items()},
+                "samples_ms": {label(c): v for c, v in row.samples_ms.items()},
+                "errors": {label(c): v for c, v in row.errors.items()},
                 "checks": {b: (m or "ok") for b, m in row.checks.items()},
                 **derived(row, backends, gbps),
             }
@@ -510,7 +668,7 @@ def plot(result: dict, backends, path: str) -> None:
 
     gbps = result["bandwidth"]["ceiling_GBps"]
     wls = list(result["workloads"].items())
-    configs = list(TORCH_CONFIGS) + ["rp " + b for b in backends]
+    configs = configs_of(backends)
     fig, axes = plt.subplots(len(wls), 1, figsize=(13, 3.6 * len(wls)), squeeze=False)
     for ax, (wl, res) in zip(axes[:, 0], wls, strict=True):
         rows = res["rows"]
@@ -518,7 +676,7 @@ def plot(result: dict, backends, path: str) -> None:
         width = 0.8 / len(configs)
         for k, c in enumerate(configs):
             ys = [row.median_ms.get(c, np.nan) for row in rows]
-            ax.bar(x + (k - (len(configs) - 1) / 2) * width, ys, width, label=c)
+            ax.bar(x + (k - (len(configs) - 1) / 2) * width, ys, width, label=label(c))
         ax.scatter(x, [bound_ms(r, gbps) for r in rows], marker="_", s=400, c="k", label="bandwidth bound")
         ax.set_xticks(x, [r.optimizer for r in rows])
         ax.set_yscale("log")
@@ -528,7 +686,7 @@ def plot(result: dict, backends, path: str) -> None:
     meta = result["meta"]
     fig.suptitle(
         f"roundpipe.optim vs torch.optim on CPU (torch threads {meta['torch_threads']}, "
-        f"numexpr threads {meta['numexpr_threads']})"
+        f"numexpr threads {meta['numexpr_threads']}, busy processes {meta['busy']})"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -548,21 +706,44 @@ def _names(text: str, valid, what: str) -> list[str]:
             continue
         if item.lower() not in by_lower:
             raise argparse.ArgumentTypeError(f"unknown {what} {item!r}; valid: {', '.join(valid)}")
-        out.append(by_lower[item.lower()])
+        if by_lower[item.lower()] not in out:
+            out.append(by_lower[item.lower()])
     if not out:
         raise argparse.ArgumentTypeError(f"no {what} given")
     return out
 
 
-def parse_args(argv=None):
-    from .backends import NAMES as BACKENDS
+def _loads(backend: str) -> str | None:
+    """None if roundpipe can run ``backend`` here, else why not (native without numba)."""
+    try:
+        rp_backends.resolve(backend)
+    except ImportError as e:
+        return str(e)
+    return None
 
+
+def _backends(text: str) -> list[str]:
+    names = _names(text, (*rp_backends.NAMES, "all"), "backend")
+    if "all" not in names:
+        return names
+    out = []
+    for b in [*names[: names.index("all")], *ALL_BACKENDS, *names[names.index("all") + 1 :]]:
+        if b not in out and b != "all":
+            why = _loads(b) if b in ALL_BACKENDS else None
+            if why:
+                log(f"note: --backends all: skipping {b}: {why}")
+            else:
+                out.append(b)
+    return out
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m roundpipe.optim.bench",
         description="Time roundpipe.optim against torch.optim (for-loop, foreach, fused) on CPU.",
     )
     p.add_argument(
-        "--quick", action="store_true", help="about a minute: fewer repetitions, smaller workloads"
+        "--quick", action="store_true", help="a minute or two: fewer repetitions, smaller workloads"
     )
     p.add_argument(
         "--optimizers",
@@ -578,9 +759,16 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--backends",
-        type=lambda s: _names(s, BACKENDS, "backend"),
-        default=["fast"],
-        help=f"roundpipe backends to time, comma-separated from {','.join(BACKENDS)} (default: fast)",
+        type=_backends,
+        help=f"roundpipe backends to time, comma-separated from {','.join(rp_backends.NAMES)}, or all "
+        f"(= {','.join(ALL_BACKENDS)}); default: fast, and native where numba is installed",
+    )
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N other processes busy (a pure-Python loop each) during the whole run (default 0)",
     )
     p.add_argument("--repeats", type=int, help="round-robin repetitions (default 7, --quick 3)")
     p.add_argument("--warmup", type=int, help="warm-up steps per configuration (default 2, --quick 1)")
@@ -588,10 +776,20 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", help="write all results (every sample) as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="draw a chart (needs matplotlib: the 'plot' extra)")
     args = p.parse_args(argv)
+    if args.backends is None:
+        args.backends = ["fast"] + (["native"] if _loads("native") is None else [])
+    for b in args.backends:
+        why = _loads(b)
+        if why:
+            p.error(f"--backends {b}: {why}")
     if args.repeats is not None and args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.warmup is not None and args.warmup < 0:
         p.error("--warmup must be at least 0")
+    if args.busy < 0:
+        p.error("--busy must be at least 0")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error(
             "--plot needs matplotlib, which is not installed: pip install matplotlib "
@@ -605,7 +803,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
         numexpr.set_num_threads(args.threads)
-    result = run(args)
+    args.load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    with busy(args.busy) as pids:
+        result = run(args, pids)
     print(report(result, args.backends), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -478,7 +478,8 @@ def test_second_process_compiles_nothing(tmp_path):
     # numba's OpenMP pool sets the process's OpenMP thread count when it starts: the step puts
     # torch's back
     assert cold["torch_threads"] == warm["torch_threads"] == 1
-    assert warm["latency"] < cold["latency"], (cold["latency"], warm["latency"])
+    # (no timing assertion: warm < cold held here, but wall time on a shared machine is noise;
+    # the cache hits and misses above say that nothing was compiled)
     sources = list((tmp_path / "native").glob("roundpipe_native_*.py"))
     assert len(sources) == 1
     cached = {p.suffix for p in (tmp_path / "native" / "__pycache__").iterdir()}

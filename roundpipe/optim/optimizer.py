@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from . import backends
+from .backends import Checked
 from .plan import adopt_flat_state, rollback
 from .plan import build as build_plan
 
@@ -91,11 +92,8 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
             raise
         # Nothing has been written so far; every check has passed.
         writeback, launches = schedule
-        for targets, value in writeback:
-            torch._foreach_copy_(targets, [value] * len(targets))
-        for gp in plan.groups:
-            for unit in gp.units:
-                unit.written()
+        for unit, scratch in writeback:
+            unit.write(scratch)
         for program, scalars, columns, cache in launches:
             backend.run(program, scalars, columns, cache)
         return loss
@@ -125,7 +123,7 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                         f"roundpipe.optim.{type(self).__name__}: param_groups[{gp.gi}]: "
                         f"cannot compute this step's scalars from the group's hyperparameters: {e}"
                     ) from e
-                writeback.extend((cols[n], scratch[n]) for n in cols)
+                writeback.append((unit, scratch))
                 program = spec.program({**gp.options, **flags})
                 grad_col = gp.grad_columns(group_grads, unit)
                 by_program.setdefault(program, []).append((unit, values, grad_col))
@@ -135,7 +133,7 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
             hit = plan.cache.get(key)
             if hit is None:
                 static = {
-                    n: [t for unit, _, _ in parts for t in unit.columns[n]]
+                    n: Checked(t for unit, _, _ in parts for t in unit.columns[n])
                     for n in program.tensors
                     if n != "grad"
                 }
@@ -143,7 +141,9 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
             static, cache = hit
             columns = dict(static)
             if "grad" in program.tensors:
-                columns["grad"] = parts[0][2] if len(parts) == 1 else [t for _, _, col in parts for t in col]
+                columns["grad"] = (
+                    parts[0][2] if len(parts) == 1 else Checked(t for _, _, col in parts for t in col)
+                )
             if len(parts) == 1:
                 scalars = parts[0][1]
             else:
@@ -188,13 +188,14 @@ def _make_init(cls, torch_cls):
         self._roundpipe_backend = backends.resolve(backend)
         torch_cls.__init__(*bound.args, **bound.kwargs)
         below = getattr(backends.get(self._roundpipe_backend), "flat_state_below", 0)
-        if below and self.state:  # state torch's __init__ created (Adagrad): nobody has seen it
+        if self.state:  # state torch's __init__ created (Adagrad): nobody has seen it
             for group in self.param_groups:
                 params = [p for p in group["params"] if p in self.state]
                 names = (
                     [n for n in self.state[params[0]] if n not in self.spec.scalar_state] if params else []
                 )
-                adopt_flat_state(params, [self.state[p] for p in params], names, below)
+                states = [self.state[p] for p in params]
+                adopt_flat_state(params, states, names, below, self.spec.scalar_state)
 
     __init__.__signature__ = public_sig
     __init__.__qualname__ = f"{cls.__name__}.__init__"

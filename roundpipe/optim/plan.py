@@ -27,17 +27,16 @@ parameter (gradient attribute reads and checks 0.45, addresses 0.2, state identi
 from __future__ import annotations
 
 import operator
-from operator import attrgetter
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .backends import Checked
 from .spec.core import Options
 
 SUPPORTED_DTYPES = (torch.float32, torch.complex64)
 _STRIDED = torch.strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_VERSION = attrgetter("_version")
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -55,8 +54,9 @@ def local(t):
 
 
 def real(t):
-    """The real float32 view a backend steps (complex64 tensors as ``view_as_real``)."""
-    t = local(t)
+    """The real float32 alias a backend steps: detached (torch's foreach copies run 3x slower
+    on tensors that require grad), complex64 tensors as ``view_as_real``."""
+    t = local(t).detach()
     return torch.view_as_real(t) if t.is_complex() else t
 
 
@@ -138,7 +138,7 @@ def _grads_ok(grads, shapes, dtypes) -> bool:
 class Unit:
     """Parameters of one group whose 0-d state and init flags are equal: one ``scalars`` call."""
 
-    __slots__ = ("group_plan", "positions", "flags", "scalar_columns", "columns", "versions", "pending")
+    __slots__ = ("group_plan", "positions", "flags", "scalar_columns", "scalar_flat", "columns")
 
     def __init__(self, group_plan, positions, flags):
         self.group_plan = group_plan
@@ -146,27 +146,33 @@ class Unit:
         self.flags = flags
         states = [group_plan.states[i] for i in positions]
         self.scalar_columns = {n: [st[n] for st in states] for n in group_plan.scalar_names}
+        # 0-d state born in one buffer (adopt_flat_state) is checked and written in one op each
+        self.scalar_flat = {n: contiguous_run(c) for n, c in self.scalar_columns.items()}
         self.columns = {"param": [group_plan.reals[i] for i in positions]}
         for name in group_plan.inputs:
             self.columns[name] = [real(st[name]) for st in states]
-        self.versions = None  # sum of the 0-d state's version counters after our last write
-        self.pending = None
 
     def uniform(self) -> bool:
-        """Whether the members' 0-d state is still equal. Version counters only grow, and the
-        step's write adds exactly one to each: if their sum is what that write left, nobody
-        else wrote them since (0.1 us per tensor, half of comparing the values)."""
-        cols = self.scalar_columns
-        if len(self.positions) < 2 or not cols:
+        """Whether the members' 0-d state (``step``, ...) still holds one value per name."""
+        if len(self.positions) < 2:
             return True
-        total = sum([sum(map(_VERSION, c)) for c in cols.values()])
-        if total != self.versions and not all(uniform_column(c) for c in cols.values()):
-            return False
-        self.pending = total + len(self.positions) * len(cols)
+        for n, col in self.scalar_columns.items():
+            flat = self.scalar_flat[n]
+            if flat is not None:
+                if not bool((flat == flat[0]).all()):
+                    return False
+            elif not uniform_column(col):
+                return False
         return True
 
-    def written(self):
-        self.versions = self.pending
+    def write(self, scratch: dict):
+        """Set every member's 0-d state to the step's new values (``scratch``)."""
+        for n, col in self.scalar_columns.items():
+            flat = self.scalar_flat[n]
+            if flat is not None:
+                flat.fill_(scratch[n])
+            else:
+                torch._foreach_copy_(col, [scratch[n]] * len(col))
 
 
 class GroupPlan:
@@ -232,9 +238,9 @@ class GroupPlan:
         """The unit's real float32 local gradient tensors."""
         if self.plain and not self.complex:
             if len(unit.positions) == len(grads):
-                return grads
-            return [grads[i] for i in unit.positions]
-        return [real(grads[i]) for i in unit.positions]
+                return Checked(grads)
+            return Checked([grads[i] for i in unit.positions])
+        return Checked([real(grads[i]) for i in unit.positions])
 
 
 def _ptrs(params, plain):
@@ -318,30 +324,35 @@ class StepPlan:
         return out
 
 
-def adopt_flat_state(params, states, names, below):
-    """Put the state tensors ``names`` of the small plain float32 parameters in one flat buffer
-    per name, each parameter's entry a view of it (values copied), so a backend that batches
-    small parameters steps the buffers in place instead of gathering and scattering the state
-    every step (``fast``: 4 of Adam's 7 copies per small parameter). Called only on state that
-    nobody has seen yet: just created by a step, or by torch's ``__init__`` (Adagrad).
+def adopt_flat_state(params, states, names, below, scalar_names=()):
+    """Put state tensors nobody has seen yet in one flat buffer per name, each parameter's entry
+    a view of it (values copied): ``names`` of the small plain float32 parameters (under
+    ``below`` elements), and the 0-d ``scalar_names`` (``step``, ...) of all of them. A backend
+    that batches small parameters then steps the buffers in place instead of gathering and
+    scattering the state every step (``fast``: 4 of Adam's 7 copies per small parameter), and a
+    step sets every ``step`` with one op. Called only on state just created by a step, or by
+    torch's ``__init__`` (Adagrad).
 
     The entries stay ordinary tensors of the parameter's shape: ``state_dict()``, ``torch.save``
     (which stores a shared buffer once) and ``load_state_dict`` both ways work as before. State
     loaded with ``load_state_dict`` is stepped where it is (gathered and scattered each step).
+    Returns whether anything moved.
     """
-    members = [
+    small = [
         i
         for i, p in enumerate(params)
         if 0 < p.numel() < below and type(p) in _PLAIN and p.dtype is torch.float32
     ]
-    if len(members) < 2:
-        return False
+    plan = [(n, small) for n in names] + [(n, range(len(params))) for n in scalar_names]
     moved = False
-    for name in names:
+    for name, members in plan:
         tensors = [states[i][name] for i in members]
-        if any(type(t) not in _PLAIN for t in tensors) or _tiled(tensors):
+        if len(tensors) < 2 or any(type(t) not in _PLAIN for t in tensors) or _tiled(tensors):
             continue
-        flat = torch.empty(sum(t.numel() for t in tensors))
+        dtype = tensors[0].dtype
+        if any(t.dtype != dtype for t in tensors):
+            continue
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype)
         views = [
             v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)
         ]
@@ -353,9 +364,24 @@ def adopt_flat_state(params, states, names, below):
 
 
 def _tiled(tensors) -> bool:
-    from .backends.fast import contiguous_run
-
     return contiguous_run(tensors) is not None
+
+
+def contiguous_run(tensors):
+    """The 1-D tensor that ``tensors`` (contiguous, in this order) tile exactly, or None."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    base = first._base
+    if base is None or base.dtype != first.dtype or not base.is_contiguous():
+        return None
+    pos = first.storage_offset()
+    for t in tensors:
+        if t._base is not base or t.storage_offset() != pos or not t.is_contiguous():
+            return None
+        pos += t.numel()
+    start = first.storage_offset() - base.storage_offset()
+    return base.view(-1)[start : start + pos - first.storage_offset()]
 
 
 def build(opt, spec, backend=None):
@@ -405,10 +431,11 @@ def build(opt, spec, backend=None):
                         born.append(i)
                 states.append(st)
             below = getattr(backend, "flat_state_below", 0)
-            if below and len(born) > 1:
+            if len(born) > 1:
                 # state nobody has seen yet is born in flat buffers; existing state (loaded,
                 # or the caller's) is always updated where it is
-                adopt_flat_state([params[i] for i in born], [states[i] for i in born], inputs, below)
+                born_states = [states[i] for i in born]
+                adopt_flat_state([params[i] for i in born], born_states, inputs, below, spec.scalar_state)
             for p, pi, st in zip(params, indices, states, strict=True):
                 where = where_of(name, gi, pi, p)
                 for n in spec.scalar_state:

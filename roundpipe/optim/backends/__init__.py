@@ -13,7 +13,8 @@ The whole interface a backend implements (duck-typed; ``Backend`` documents it):
 (program tensor name -> list of real float32 CPU tensors, one per parameter, all contiguous).
 ``scalars`` is one dict of per-step scalars for every parameter, or a list of
 ``(scalars, count)`` segments that cover the parameters in order (parameters whose 0-d state
-differs, e.g. a different ``step``, get different scalars). ``cache`` is a dict the step plan
+differs, e.g. a different ``step``, get different scalars). A column of type ``Checked`` has been validated by
+the step plan; any other is checked by the backend that needs it. ``cache`` is a dict the step plan
 keeps for this call site between steps (flat buffers, pointer tables); it is dropped whenever
 the plan is rebuilt.
 
@@ -103,6 +104,13 @@ class CompileCache:
     def clear(self):
         with self._lock:
             self._entries.clear()
+
+
+class Checked(list):
+    """A column the step plan has validated (contiguous float32 CPU tensors of the parameters'
+    sizes): a backend need not check it again."""
+
+    __slots__ = ()
 
 
 def segments(scalars, n: int):

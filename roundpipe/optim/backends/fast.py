@@ -40,6 +40,7 @@ import time
 import torch
 
 from .. import threads
+from ..plan import contiguous_run
 from . import CompileCache, numexpr_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
 
@@ -92,26 +93,6 @@ class _Workspace:
                 self.views[name] = [
                     v.view(t.shape) for v, t in zip(buf.split(numels), members[name], strict=True)
                 ]
-
-
-def contiguous_run(tensors):
-    """The 1-D tensor that ``tensors`` (contiguous, in order) tile exactly, or None."""
-    if not tensors:
-        return None
-    first = tensors[0]
-    base = first._base
-    if base is None or base.dtype != first.dtype or not base.is_contiguous():
-        return None
-    storage = base.untyped_storage().data_ptr()
-    pos = first.storage_offset()
-    for t in tensors:
-        if t._base is not base or t.storage_offset() != pos or not t.is_contiguous():
-            return None
-        pos += t.numel()
-    if first.untyped_storage().data_ptr() != storage:
-        return None
-    start = first.storage_offset() - base.storage_offset()
-    return base.view(-1)[start : start + pos - first.storage_offset()]
 
 
 _torch_programs = CompileCache()

@@ -77,7 +77,7 @@ import torch
 
 from .. import threads
 from ..spec.ir import Assign, Let
-from . import CompileCache, segments
+from . import Checked, CompileCache, segments
 from .formulas import Lowering, lerp_variant, lerp_weights, scalar_env
 
 logger = logging.getLogger("roundpipe.optim")
@@ -574,8 +574,10 @@ class _Table:
     def update(self, row: int, column):
         if column is self.columns[row]:
             return
-        sizes = [t.numel() for t in column]
-        if sizes != self.sizes or not all([t.dtype is _F32_DTYPE and t.is_contiguous() for t in column]):
+        if type(column) is not Checked and (
+            [t.numel() for t in column] != self.sizes
+            or not all([t.dtype is _F32_DTYPE and t.is_contiguous() for t in column])
+        ):
             raise ValueError(
                 f"native kernel: {self.names[row]!r} tensors must be contiguous float32 of the "
                 "parameters' sizes"

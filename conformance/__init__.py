@@ -1,8 +1,11 @@
-"""Conformance suite: every ``roundpipe.optim`` optimizer, on both backends, against torch.optim.
+"""Conformance suite: every ``roundpipe.optim`` optimizer, on every backend (``reference``,
+``fast`` with each of its engines, ``native``), against torch.optim.
 
-* ``cases.py``            the table of cases: one (optimizer, kwargs) per entry;
+* ``cases.py``            the table of cases: one (optimizer, kwargs) per entry, and the backends;
 * ``harness.py``          the parameter set, the gradients, the step-by-step comparison and the
   error statistics;
+* ``deviations.py``       the declared deviations from torch: (backends, optimizer, options,
+  comparisons, tolerance or expected failure, reason, what was measured);
 * ``test_conformance.py`` one test per (case, backend);
 * ``conftest.py``         the end-of-session summary table (and JSON report).
 

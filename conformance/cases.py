@@ -1,7 +1,7 @@
 """The table of conformance cases: one entry per (optimizer, kwargs).
 
-Every case is run for ``STEPS`` steps on both roundpipe backends against
-``torch.optim.<optimizer>(..., foreach=False)`` (see ``harness.py``).
+Every case is run for ``STEPS`` steps on every backend of ``BACKENDS`` against
+``torch.optim.<optimizer>`` (see ``harness.py``).
 
 How the table is written:
 
@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 STEPS = 20  # steps per case
-BACKENDS = ("reference", "fast", "native")  # every case runs on each (native: the numba extra)
+# Every case runs on each: the fast backend once per engine (native needs the numba extra).
+BACKENDS = ("reference", "fast:torch", "fast:numexpr", "native")
 
 OPTIMIZERS = (
     "Adadelta",

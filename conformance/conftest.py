@@ -1,4 +1,5 @@
-"""Session summary of the conformance suite: worst errors per optimizer and backend.
+"""Session summary of the conformance suite: worst errors per optimizer and backend, and per
+declared deviation (``deviations.py``).
 
 Printed at the end of the session; also written as JSON to ``$ROUNDPIPE_CONFORMANCE_REPORT``
 when that is set. The error measures are defined in ``harness.py``.
@@ -7,6 +8,7 @@ when that is set. The error measures are defined in ``harness.py``.
 import json
 import os
 
+from . import deviations
 from .cases import BACKENDS, CASES_BY_OPTIMIZER
 from .harness import ATOL, RECORDER, RTOL
 
@@ -32,13 +34,29 @@ def _rows():
     return rows
 
 
+def _deviation_rows():
+    rows = []
+    for d in deviations.DEVIATIONS:
+        for backend in d.backends:
+            for c in d.comparisons:
+                comparison = backend if c == "torch" else f"{backend}-vs-reference"
+                st = RECORDER.deviations.get((d.name, comparison))
+                row = {"deviation": d.name, "comparison": comparison, "tolerance": d.tolerance or "xfail"}
+                row.update(st.as_dict() if st else {"cases": 0})
+                row["measured"] = d.measured
+                rows.append(row)
+    return rows
+
+
 def _env():
     return {k: os.environ.get(k) for k in SHOWN_ENV}
 
 
 def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
-    tr.section("roundpipe.optim conformance: worst errors against torch.optim (and fast vs reference)")
+    tr.section(
+        "roundpipe.optim conformance: worst errors against torch.optim (and against the reference backend)"
+    )
     total = sum(len(c) for c in CASES_BY_OPTIMIZER.values())
     per = ", ".join(f"{k} {len(v)}" for k, v in CASES_BY_OPTIMIZER.items())
     cases_line = f"cases per optimizer: {per} (total {total}, each on {len(BACKENDS)} backends)"
@@ -50,16 +68,29 @@ def pytest_terminal_summary(terminalreporter):
         f"max_ratio = max|a-b|/({ATOL:g} + {RTOL:g}|b|) (assert_close passes at <= 1)"
     )
     tr.write_line("environment: " + ", ".join(f"{k}={v or '(unset)'}" for k, v in _env().items()))
-    head = f"{'optimizer':<9} {'cases':>5} {'comparison':<17} {'run':>4} {'max_abs':>9} {'max_rel':>9} "
+    head = f"{'optimizer':<9} {'cases':>5} {'comparison':<25} {'run':>4} {'max_abs':>9} {'max_rel':>9} "
     tr.write_line(head + f"{'max_ratio':>9}  worst ratio at")
+    not_run = 0
     for row in _rows():
-        line = f"{row['optimizer']:<9} {row['cases_in_table']:>5} {row['comparison']:<17} {row['cases']:>4} "
+        line = f"{row['optimizer']:<9} {row['cases_in_table']:>5} {row['comparison']:<25} {row['cases']:>4} "
         if not row["cases"]:
-            tr.write_line(line + " (not run)")
+            not_run += 1
             continue
         errors = f"{row['max_abs']:>9.3g} {row['max_rel']:>9.3g} {row['max_ratio']:>9.3g}"
         tr.write_line(line + errors + "  " + (row["worst"] or "-"))
+    if not_run:
+        tr.write_line(f"({not_run} (optimizer, comparison) rows not run in this session are not shown)")
     tr.write_line(cases_line)
+    tr.write_line("declared deviations (deviations.py; max_ratio against assert_close's defaults):")
+    for row in _deviation_rows():
+        line = f"  {row['deviation']} [{row['comparison']}] tolerance {row['tolerance']}: "
+        if not row["cases"]:
+            tr.write_line(line + "not run in this session")
+            continue
+        tr.write_line(
+            line + f"{row['cases']} cases, max_abs {row['max_abs']:.3g}, max_ratio {row['max_ratio']:.3g}"
+            f" at {row['worst'] or '-'}"
+        )
 
 
 def pytest_sessionfinish(session):
@@ -76,6 +107,7 @@ def pytest_sessionfinish(session):
         "environment": _env(),
         "cases_per_optimizer": {k: len(v) for k, v in CASES_BY_OPTIMIZER.items()},
         "results": _rows(),
+        "declared_deviations": _deviation_rows(),
     }
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)

@@ -8,30 +8,17 @@ small problems for API and integration tests.
 from __future__ import annotations
 
 import copy
-import inspect
 import io
 import itertools
 import math
-import re
 
 import torch
 
 import roundpipe.optim
+from roundpipe.optim.spec import SPECS
 
-# All eleven optimizers roundpipe.optim provides (or is about to provide).
-OPTIMIZER_NAMES = [
-    "Adadelta",
-    "Adagrad",
-    "Adam",
-    "Adamax",
-    "AdamW",
-    "ASGD",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-    "Rprop",
-    "SGD",
-]
+# All eleven optimizers, from the spec registry (the one list of names)
+OPTIMIZER_NAMES = list(SPECS)
 BACKENDS = ["fast", "reference"]  # the public backend names
 ENV_VAR = "ROUNDPIPE_OPTIM_BACKEND"
 ENGINE_ENV_VAR = "ROUNDPIPE_OPTIM_ENGINE"
@@ -60,7 +47,7 @@ TOL = dict(rtol=2e-5, atol=2e-6)
 
 
 def rp_class(name: str):
-    """The roundpipe.optim class (fails with AttributeError while it does not exist yet)."""
+    """The roundpipe.optim class."""
     return getattr(roundpipe.optim, name)
 
 
@@ -237,12 +224,8 @@ def default_group(spec, **kwargs):
 
 
 def spec_scalars(spec, group, p, state):
-    """spec.scalars for this parameter (it sees the 0-d state entries when it takes two
-    arguments, the parameter and its whole state when it takes three)."""
-    if len(inspect.signature(spec.scalars).parameters) == 3:
-        return spec.scalars(group, p, state)
-    names = getattr(spec, "scalar_state", ())
-    return spec.scalars(group, {k: state[k] for k in names if k in state})
+    """spec.scalars for this parameter: it sees only the 0-d state entries."""
+    return spec.scalars(group, {k: state[k] for k in spec.scalar_state if k in state})
 
 
 def discovered_flags(spec, group, p):
@@ -255,26 +238,15 @@ def discovered_flags(spec, group, p):
     return flags
 
 
-_MISSING = re.compile(r"no option '(\w+)'")
-
-
 def all_programs(spec):
     """(options, program) for every combination of the spec's boolean options and flags."""
     group, p = default_group(spec)
     base = dict(spec.options(group))
     base.update(discovered_flags(spec, group, p))
-    for _ in range(10):
-        toggles = sorted(k for k, v in base.items() if isinstance(v, bool))
-        out = []
-        try:
-            for values in itertools.product([False, True], repeat=len(toggles)):
-                opts = {**base, **dict(zip(toggles, values, strict=True))}
-                out.append((opts, spec.program(opts)))
-            return out
-        except AttributeError as e:
-            # an option read only under some combination: add it as a flag and start over
-            m = _MISSING.search(str(e))
-            if m is None or m.group(1) in base:
-                raise
-            base[m.group(1)] = False
-    raise AssertionError("too many undiscovered options")
+    base.update({f: base.get(f, False) for f in spec.flags})
+    toggles = sorted(k for k, v in base.items() if isinstance(v, bool))
+    out = []
+    for values in itertools.product([False, True], repeat=len(toggles)):
+        opts = {**base, **dict(zip(toggles, values, strict=True))}
+        out.append((opts, spec.program(opts)))
+    return out

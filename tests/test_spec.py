@@ -205,3 +205,15 @@ def test_builder_validates_on_build():
     b.assign(b.tensor("grad"), sqrt(b.tensor("param")))
     with pytest.raises(ValueError, match="grad"):
         b.build()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_declared_flags_are_the_flags_returned(name):
+    """spec.flags lists every bool init_state and scalars return (over 12 steps), and no other."""
+    spec = SPECS[name]
+    group, p = default_group(spec, **RICH_KWARGS[name])
+    state, seen = {}, set()
+    for _ in range(12):
+        seen |= {k for k, v in (spec.init_state(group, p, state) or {}).items() if isinstance(v, bool)}
+        seen |= {k for k, v in spec_scalars(spec, group, p, state).items() if isinstance(v, bool)}
+    assert seen == set(spec.flags)

@@ -71,4 +71,5 @@ ASGD = OptimizerSpec(
     scalars,
     program,
     scalar_state=("step", "eta", "mu"),
+    flags=("average",),
 )

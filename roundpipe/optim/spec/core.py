@@ -22,8 +22,8 @@ Each optimizer module in this package (``adam.py``, ``sgd.py`` ...) defines one
     state tensors in ``state`` (which holds only the ``scalar_state`` entries) and returns the
     per-step scalars in Python double precision (bias corrections, step sizes). Entries whose
     value is a ``bool`` are *flags*: they join the options to select the program for this step
-    (RAdam's rectification, ASGD's ``mu == 1``). It sees nothing but the group and the 0-d
-    state, so parameters whose 0-d state is equal get equal scalars: the step loop calls it
+    (RAdam's rectification, ASGD's ``mu == 1``; declared in ``flags``). It sees nothing but the
+    group and the 0-d state, so parameters whose 0-d state is equal get equal scalars: the step loop calls it
     once per distinct 0-d state, not once per parameter.
 ``program(o, b)``
     adds the elementwise statements for options ``o`` (attribute access; static options and
@@ -65,6 +65,7 @@ class OptimizerSpec:
     scalars: Callable
     build: Callable
     scalar_state: tuple = ("step",)
+    flags: tuple = ()  # per-step flags (bools from init_state or scalars) that select the program
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

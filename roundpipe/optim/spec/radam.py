@@ -69,4 +69,6 @@ def program(o, b):
         b.assign(param, add(param, bias_corrected_exp_avg * s.lr, alpha=-1.0))
 
 
-RADAM = OptimizerSpec("RAdam", torch.optim.RAdam, init_state, options, inputs, scalars, program)
+RADAM = OptimizerSpec(
+    "RAdam", torch.optim.RAdam, init_state, options, inputs, scalars, program, flags=("rectify",)
+)

@@ -62,4 +62,6 @@ def program(o, b):
     b.assign(param, add(param, grad, alpha=s.neg_lr))
 
 
-SGD = OptimizerSpec("SGD", torch.optim.SGD, init_state, options, inputs, scalars, program, scalar_state=())
+SGD = OptimizerSpec(
+    "SGD", torch.optim.SGD, init_state, options, inputs, scalars, program, scalar_state=(), flags=("first",)
+)

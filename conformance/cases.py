@@ -246,6 +246,20 @@ ASGD = cases_for(
     expect=_asgd_expect,
 )
 
+# tensor lr and betas, alone and with every option on (NAdam, RAdam)
+TENSOR_HYPERPARAMETERS_DECOUPLED = (
+    {"lr": T(0.01)},
+    {"lr": T(0.01), "betas": (T(0.9), T(0.999))},
+    {
+        "lr": T(0.01),
+        "betas": (T(0.8), T(0.99)),
+        "weight_decay": 0.1,
+        "decoupled_weight_decay": True,
+        "maximize": True,
+    },
+)
+
+
 NADAM = cases_for(
     "NAdam",
     grid(weight_decay=(0.0, 0.1), decoupled_weight_decay=BOOL, maximize=BOOL)
@@ -255,15 +269,7 @@ NADAM = cases_for(
         {"lr": 1e-3},
         {"betas": (0.8, 0.99)},
         {"eps": 1e-4},
-        {"lr": T(0.01)},
-        {"lr": T(0.01), "betas": (T(0.9), T(0.999))},
-        {
-            "lr": T(0.01),
-            "betas": (T(0.8), T(0.99)),
-            "weight_decay": 0.1,
-            "decoupled_weight_decay": True,
-            "maximize": True,
-        },
+        *TENSOR_HYPERPARAMETERS_DECOUPLED,
     ),
 )
 
@@ -276,15 +282,7 @@ RADAM = cases_for(
         {"lr": 2e-3},
         {"eps": 1e-6},
         {"betas": (0.8, 0.99)},
-        {"lr": T(0.01)},
-        {"lr": T(0.01), "betas": (T(0.9), T(0.999))},
-        {
-            "lr": T(0.01),
-            "betas": (T(0.8), T(0.99)),
-            "weight_decay": 0.1,
-            "decoupled_weight_decay": True,
-            "maximize": True,
-        },
+        *TENSOR_HYPERPARAMETERS_DECOUPLED,
     ),
     expect=("rectified", "unrectified"),
 )

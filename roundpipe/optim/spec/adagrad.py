@@ -7,7 +7,7 @@ in a way that bypasses it, as torch's ``_init_group`` does.
 import torch
 
 from .blocks import gradient
-from .core import OptimizerSpec, to_scalar, value, zero_step
+from .core import OptimizerSpec, advance_step, to_scalar, zero_step
 from .ir import addcdiv, addcmul, sqrt
 
 
@@ -25,9 +25,7 @@ def options(group):
 
 def scalars(group, state):
     lr = to_scalar(group["lr"])
-    step_t = state["step"]
-    step_t += 1
-    step = value(step_t)
+    step = advance_step(state)
     clr = lr / (1 + (step - 1) * group["lr_decay"])
     return {"weight_decay": group["weight_decay"], "eps": group["eps"], "neg_clr": -clr}
 

@@ -7,7 +7,7 @@ propagates from either side as in torch.
 import torch
 
 from .blocks import gradient
-from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
+from .core import OptimizerSpec, advance_step, to_scalar, zero_step, zeros_like
 from .ir import abs_, addcdiv, lerp, maximum
 
 
@@ -29,9 +29,7 @@ def inputs(o):
 def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = group["betas"]
-    step_t = state["step"]
-    step_t += 1
-    bias_correction = 1 - beta1 ** value(step_t)
+    bias_correction = 1 - beta1 ** advance_step(state)
     clr = lr / bias_correction
     return {
         "weight_decay": group["weight_decay"],

@@ -9,10 +9,30 @@ Each is the same few lines of torch's ``_single_tensor_*`` functions, in the sam
 * ``adam_moments``: ``exp_avg.lerp_(grad, 1 - beta1)`` and
   ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)`` (Adam, AdamW, NAdam, RAdam).
 
-with their scalars (``weight_decay_scalars``, ``moment_scalars``), computed as torch computes them.
+with their scalars (``weight_decay_scalars``, ``moment_scalars``), computed as torch computes them,
+and the state and options the Adam family shares (``moment_state``, ``decay_options``).
 """
 
+from .core import zeros_like
 from .ir import add, addcmul, lerp
+
+
+def moment_state(p, state):
+    """``exp_avg`` and ``exp_avg_sq``, created as torch's Adam-family ``_init_group`` does."""
+    state["exp_avg"] = zeros_like(p)
+    state["exp_avg_sq"] = zeros_like(p)
+
+
+MOMENT_INPUTS = ("param", "grad", "exp_avg", "exp_avg_sq")
+
+
+def decay_options(group):
+    """The options of optimizers with ``maximize`` and (decoupled) weight decay."""
+    return {
+        "maximize": group["maximize"],
+        "weight_decay": group["weight_decay"] != 0,
+        "decoupled_weight_decay": group["decoupled_weight_decay"],
+    }
 
 
 def gradient(o, b):

@@ -42,7 +42,7 @@ from torch.optim.optimizer import _get_scalar_dtype, _get_value, _to_scalar
 
 from .ir import Program, ProgramBuilder
 
-__all__ = ["OptimizerSpec", "Options", "zero_step", "zeros_like", "value", "to_scalar"]
+__all__ = ["OptimizerSpec", "Options", "advance_step", "zero_step", "zeros_like", "value", "to_scalar"]
 
 
 class Options(dict):
@@ -97,3 +97,10 @@ def zeros_like(p: torch.Tensor) -> torch.Tensor:
 
 value = _get_value
 to_scalar = _to_scalar
+
+
+def advance_step(state) -> float:
+    """torch's ``step_t += 1`` on the 0-d ``state["step"]`` (in place), then its value."""
+    step_t = state["step"]
+    step_t += 1
+    return value(step_t)

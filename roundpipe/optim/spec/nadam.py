@@ -6,8 +6,8 @@ torch does; the two ``addcdiv`` coefficients are computed from its float32 value
 
 import torch
 
-from .blocks import adam_moments, gradient, moment_scalars, weight_decay_scalars
-from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
+from . import blocks
+from .core import OptimizerSpec, advance_step, to_scalar, value, zero_step
 from .ir import addcdiv, sqrt
 
 
@@ -15,37 +15,30 @@ def init_state(group, p, state):
     if len(state) == 0:
         state["step"] = zero_step()
         state["mu_product"] = torch.tensor(1.0, dtype=zero_step().dtype)
-        state["exp_avg"] = zeros_like(p)
-        state["exp_avg_sq"] = zeros_like(p)
+        blocks.moment_state(p, state)
 
 
-def options(group):
-    return {
-        "maximize": group["maximize"],
-        "weight_decay": group["weight_decay"] != 0,
-        "decoupled_weight_decay": group["decoupled_weight_decay"],
-    }
+options = blocks.decay_options
 
 
 def inputs(o):
-    return ["param", "grad", "exp_avg", "exp_avg_sq"]
+    return list(blocks.MOMENT_INPUTS)
 
 
 def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = group["betas"]
     momentum_decay = group["momentum_decay"]
-    step_t, mu_product = state["step"], state["mu_product"]
-    step_t += 1
-    step = value(step_t)
+    mu_product = state["mu_product"]
+    step = advance_step(state)
     bias_correction2 = 1 - beta2**step
     mu = beta1 * (1.0 - 0.5 * (0.96 ** (step * momentum_decay)))
     mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * momentum_decay)))
     mu_product *= mu
     mu_product_next = value(mu_product) * mu_next
     return {
-        **weight_decay_scalars(group, lr),
-        **moment_scalars(beta1, beta2),
+        **blocks.weight_decay_scalars(group, lr),
+        **blocks.moment_scalars(beta1, beta2),
         "bias_correction2": bias_correction2,
         "eps": group["eps"],
         "grad_coef": -lr * (1.0 - mu) / (1.0 - value(mu_product)),
@@ -54,11 +47,9 @@ def scalars(group, state):
 
 
 def program(o, b):
-    s = b.s
-    param = b.tensor("param")
-    exp_avg, exp_avg_sq = b.tensor("exp_avg"), b.tensor("exp_avg_sq")
-    grad = gradient(o, b)
-    adam_moments(b, grad)
+    s, param = b.s, b.tensor("param")
+    grad = blocks.gradient(o, b)
+    exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
     denom = b.let("denom", sqrt(exp_avg_sq / s.bias_correction2) + s.eps)
     b.assign(param, addcdiv(param, grad, denom, value=s.grad_coef))
     b.assign(param, addcdiv(param, exp_avg, denom, value=s.exp_avg_coef))

@@ -6,36 +6,28 @@ program, as torch's Python ``if`` does.
 
 import torch
 
-from .blocks import adam_moments, gradient, moment_scalars, weight_decay_scalars
-from .core import OptimizerSpec, to_scalar, value, zero_step, zeros_like
+from . import blocks
+from .core import OptimizerSpec, advance_step, to_scalar, zero_step
 from .ir import add, sqrt
 
 
 def init_state(group, p, state):
     if len(state) == 0:
         state["step"] = zero_step()
-        state["exp_avg"] = zeros_like(p)
-        state["exp_avg_sq"] = zeros_like(p)
+        blocks.moment_state(p, state)
 
 
-def options(group):
-    return {
-        "maximize": group["maximize"],
-        "weight_decay": group["weight_decay"] != 0,
-        "decoupled_weight_decay": group["decoupled_weight_decay"],
-    }
+options = blocks.decay_options
 
 
 def inputs(o):
-    return ["param", "grad", "exp_avg", "exp_avg_sq"]
+    return list(blocks.MOMENT_INPUTS)
 
 
 def scalars(group, state):
     lr = to_scalar(group["lr"])
     beta1, beta2 = group["betas"]
-    step_t = state["step"]
-    step_t += 1
-    step = value(step_t)
+    step = advance_step(state)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     # maximum length of the approximated SMA, and its length at this step
@@ -43,8 +35,8 @@ def scalars(group, state):
     rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
     out = {
         "rectify": bool(rho_t > 5.0),
-        **weight_decay_scalars(group, lr),
-        **moment_scalars(beta1, beta2),
+        **blocks.weight_decay_scalars(group, lr),
+        **blocks.moment_scalars(beta1, beta2),
         "bias_correction1": bias_correction1,
         "lr": lr,
     }
@@ -56,11 +48,9 @@ def scalars(group, state):
 
 
 def program(o, b):
-    s = b.s
-    param = b.tensor("param")
-    exp_avg, exp_avg_sq = b.tensor("exp_avg"), b.tensor("exp_avg_sq")
-    grad = gradient(o, b)
-    adam_moments(b, grad)
+    s, param = b.s, b.tensor("param")
+    grad = blocks.gradient(o, b)
+    exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
     bias_corrected_exp_avg = exp_avg / s.bias_correction1
     if o.rectify:
         adaptive_lr = b.let("adaptive_lr", s.bias_correction2_sqrt / (sqrt(exp_avg_sq) + s.eps))

@@ -3,9 +3,19 @@
 ``name`` runs a test for each of the eleven optimizers. ``backend`` runs it on the reference
 backend and on the fast backend with each of its engines pinned (``ROUNDPIPE_OPTIM_ENGINE``),
 so that both engines are covered whichever one calibration would pick on this machine; the
-fixture's value is the backend name to pass as ``backend=``. The backend, engine and thread
-environment variables are cleared for every test so that a developer's shell settings cannot
-change what the tests check.
+fixture's value is the backend name to pass as ``backend=``.
+
+Every test starts from the same roundpipe state, whatever ran before it in the process (and
+whatever order the tests run in; see ``ROUNDPIPE_TEST_ORDER`` in the top-level
+``conftest.py``, which also restores thread counts and the environment after each test):
+
+* the ``ROUNDPIPE_OPTIM_*`` environment variables (backend, engine, threads) are cleared, so
+  that a developer's shell settings cannot change what the tests check;
+* ``roundpipe.optim.set_num_threads`` is unset (``None``);
+* the backend objects are fresh (``roundpipe.optim.backends._instances`` is emptied for the
+  test and put back after it), so their compile caches hold only what this test compiled:
+  a test that looks into a backend's caches does not see what an earlier test (or the
+  conformance suite, in the same process) left there.
 
 The session runs torch (and so roundpipe's steps, which follow torch's thread count) on one
 thread: on a shared 2-vCPU machine a second thread stalls whenever the other core is busy,
@@ -13,13 +23,19 @@ and elementwise results do not depend on the thread count (``test_zero_copy`` ch
 two-thread step against a one-thread step).
 """
 
+import os
+
 import pytest
 import torch
 
-from tests._util import BACKENDS, ENGINE_ENV_VAR, ENV_VAR, OPTIMIZER_NAMES, THREADS_ENV_VAR
+import roundpipe.optim.threads as rp_threads
+from roundpipe.optim import backends as rp_backends
+from tests._util import BACKENDS, ENGINE_ENV_VAR, OPTIMIZER_NAMES
 
 # (backend, fast engine): every public backend, the fast one once per engine
 BACKEND_PARAMS = [(b, e) for b in BACKENDS for e in (("numexpr", "torch") if b == "fast" else (None,))]
+# the environment variables that select what roundpipe.optim runs (backend, engine, threads)
+ROUNDPIPE_ENV_PREFIX = "ROUNDPIPE_OPTIM_"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -32,8 +48,14 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for var in (ENV_VAR, ENGINE_ENV_VAR, THREADS_ENV_VAR):
-        monkeypatch.delenv(var, raising=False)
+    for var in [v for v in os.environ if v.startswith(ROUNDPIPE_ENV_PREFIX)]:
+        monkeypatch.delenv(var)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_roundpipe_state(monkeypatch):
+    monkeypatch.setattr(rp_threads, "_num_threads", None)
+    monkeypatch.setattr(rp_backends, "_instances", {})
 
 
 @pytest.fixture(params=OPTIMIZER_NAMES)

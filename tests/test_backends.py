@@ -436,7 +436,10 @@ def test_auto_engine_is_measured_once_per_machine_and_remembered(monkeypatch, tm
         be.engine(prog, variant, 1)
 
 
-def test_auto_engine_results(monkeypatch):
+def test_auto_engine_results(monkeypatch, tmp_path):
+    # measured here, not taken from a choice an earlier test or run left in memory or on disk
+    monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fast, "_choices", {})
     monkeypatch.setenv(fast.ENGINE_ENV_VAR, "auto")
     prog = _every_function_program()
     sc = dict(SCALARS, w=0.6, tiny=1e-3)

@@ -45,9 +45,11 @@ from tests._util import (
 )
 
 ERRORS = (TypeError, ValueError, RuntimeError, KeyError)
+# Hang detectors, not timing assertions: generous, so that a slow or busy machine never trips
+# them (a cold import of torch from a slow disk alone can take tens of seconds).
 JOIN_TIMEOUT = 60  # seconds for a thread or a child process to finish
-FORK_TIMEOUT = 10  # seconds for a forked child to send its result (it needs well under 1 s)
-SPAWN_TIMEOUT = 45  # the same for a spawned child, which imports torch first (about 5 s)
+FORK_TIMEOUT = 30  # seconds for a forked child to send its result (it needs well under 1 s)
+SPAWN_TIMEOUT = 120  # the same for a spawned child, which imports torch first (about 5 s)
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):

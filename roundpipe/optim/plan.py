@@ -368,20 +368,26 @@ def _tiled(tensors) -> bool:
 
 
 def contiguous_run(tensors):
-    """The 1-D tensor that ``tensors`` (contiguous, in this order) tile exactly, or None."""
+    """The 1-D tensor that ``tensors`` (contiguous, in this order, in one storage) tile
+    exactly, or None. Works on detached aliases too (they have no ``_base``)."""
     if not tensors:
         return None
     first = tensors[0]
-    base = first._base
-    if base is None or base.dtype != first.dtype or not base.is_contiguous():
-        return None
-    pos = first.storage_offset()
+    storage = first.untyped_storage().data_ptr()
+    dtype = first.dtype
+    pos = start = first.storage_offset()
     for t in tensors:
-        if t._base is not base or t.storage_offset() != pos or not t.is_contiguous():
+        if (
+            t.storage_offset() != pos
+            or t.dtype != dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+        ):
             return None
         pos += t.numel()
-    start = first.storage_offset() - base.storage_offset()
-    return base.view(-1)[start : start + pos - first.storage_offset()]
+    if pos * first.element_size() > first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((pos - start,), (1,), start)
 
 
 def build(opt, spec, backend=None):

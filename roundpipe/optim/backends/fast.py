@@ -5,17 +5,19 @@ Parameters below ``SMALL_NUMEL`` elements are gathered into one flat buffer per 
 scattered back; larger parameters are stepped where they live. Every result is written back
 into the caller's own tensors: nothing a step updates is ever replaced.
 
-The program runs over ``CHUNK``-element chunks, on one of two engines:
+The program runs on one of two engines:
 
 * ``torch`` (``torch_engine.py``, the default): the program's torch ops with ``out=`` into a
-  few cache-sized scratch slots, bit for bit torch.optim's for-loop. The chunks are shared out
+  few cache-sized scratch slots, over ``CHUNK``-element chunks, bit for bit torch.optim's
+  for-loop. The chunks are shared out
   to ``roundpipe.optim.get_num_threads()`` threads of roundpipe's own pool (``threads.py``),
   each taking the next chunk when done with one, while torch's intra-op pool is held at one
   thread: one parallel region per step, not one per op and chunk (thousands, each waiting
   for its slowest thread, which on a busy machine cost seconds);
 * ``numexpr`` (``numexpr_engine.py``, the design card's): one fused numexpr expression per
-  ``assign``, evaluated with ``out=`` the target on zero-copy numpy views, by numexpr's own
-  thread pool (a compiled numexpr expression must not run in two threads at once).
+  ``assign``, evaluated with ``out=`` the target on zero-copy numpy views of whole tensors
+  (faster than chunk by chunk, see ``run_units``), by numexpr's own thread pool (a compiled
+  numexpr expression must not run in two threads at once: it crashes).
 
 ``ROUNDPIPE_OPTIM_ENGINE`` (or the backend names ``fast:torch``, ``fast:numexpr``,
 ``fast:auto``) selects the engine. ``auto`` times both engines on the same synthetic tensors
@@ -132,7 +134,7 @@ class FastBackend:
                 (program, variant), lambda: numexpr_engine.compile_program(program, variant)
             )
             env = scalar_env(values, lerp_weights(program))
-            return lambda units: prog.run_chunked(units, env, CHUNK, nthreads)
+            return lambda units: prog.run_units(units, env, nthreads)
         if engine == "torch":
             prog = _torch_programs.get(program, lambda: torch_engine.compile_program(program))
             return lambda units: prog.run_parallel(units, values, CHUNK, nthreads)

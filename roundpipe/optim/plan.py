@@ -71,6 +71,19 @@ def tensor_problem(t, what: str, like=None):
     """
     if not isinstance(t, torch.Tensor):
         return KeyError, f"{what} is missing or not a tensor ({type(t).__name__})"
+    if like is not None and is_dtensor(like):
+        # a plain tensor next to a DTensor parameter (an unsharded gradient or checkpoint)
+        # would be read shard by shard at the wrong elements: refuse, as torch.optim does
+        if not is_dtensor(t):
+            return TypeError, (
+                f"{what} is a {type(t).__name__} but its parameter is a DTensor: expected a DTensor "
+                f"with placements {like.placements} (torch.optim refuses mixed Tensor and DTensor too)"
+            )
+        if t.placements != like.placements or t.device_mesh != like.device_mesh:
+            return ValueError, (
+                f"{what} is a DTensor with placements {t.placements} on {t.device_mesh}; its parameter "
+                f"has {like.placements} on {like.device_mesh}"
+            )
     if is_dtensor(t):
         bad = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
         if bad:

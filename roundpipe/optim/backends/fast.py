@@ -8,12 +8,11 @@ into the caller's own tensors: nothing a step updates is ever replaced.
 The program runs on one of two engines:
 
 * ``torch`` (``torch_engine.py``, the default): the program's torch ops with ``out=`` into a
-  few cache-sized scratch slots, over ``CHUNK``-element chunks, bit for bit torch.optim's
-  for-loop. The chunks are shared out
-  to ``roundpipe.optim.get_num_threads()`` threads of roundpipe's own pool (``threads.py``),
-  each taking the next chunk when done with one, while torch's intra-op pool is held at one
-  thread: one parallel region per step, not one per op and chunk (thousands, each waiting
-  for its slowest thread, which on a busy machine cost seconds);
+  few cache-sized scratch slots, over cache-sized chunks, bit for bit torch.optim's for-loop.
+  The chunks are shared out to ``roundpipe.optim.get_num_threads()`` threads of roundpipe's
+  own pool (``threads.py``), each taking the next chunk when done with one, while torch's
+  intra-op pool is held at one thread: one parallel region per step, not one per op and chunk
+  (thousands, each waiting for its slowest thread, which on a busy machine cost seconds);
 * ``numexpr`` (``numexpr_engine.py``, the design card's): one fused numexpr expression per
   ``assign``, evaluated with ``out=`` the target on zero-copy numpy views of whole tensors
   (faster than chunk by chunk, see ``run_units``), by numexpr's own thread pool (a compiled
@@ -54,10 +53,6 @@ DEFAULT_ENGINE = "torch"
 
 # Parameters with fewer elements than this are batched into flat buffers.
 SMALL_NUMEL = 1 << 16
-# Elements per chunk: 256 Ki float32 = 1 MiB per operand. Measured on the 2-core EPYC (32 MiB
-# L3): 4 x 16M Adam took 100 ms in 256 Ki chunks, 161 ms in 1 Mi, 133 ms in 64 Ki, and 536 ms
-# unchunked (one temporary per op).
-CHUNK = 1 << 18
 CALIBRATION_NUMEL = 1 << 20
 
 
@@ -137,7 +132,7 @@ class FastBackend:
             return lambda units: prog.run_units(units, env, nthreads)
         if engine == "torch":
             prog = _torch_programs.get(program, lambda: torch_engine.compile_program(program))
-            return lambda units: prog.run_parallel(units, values, CHUNK, nthreads)
+            return lambda units: prog.run_parallel(units, values, nthreads)
         raise ValueError(f"unknown engine {engine!r}")
 
     # -- running ----------------------------------------------------------------------------

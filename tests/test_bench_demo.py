@@ -87,3 +87,18 @@ def test_demo_runs(capsys):
     text = capsys.readouterr().out
     assert "speedup of roundpipe (fast) over torch's default (for-loop) AdamW: " in text
     assert "roundpipe fast: a step matches torch's for-loop step" in text
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_bench_fsdp_runs():
+    """The FSDP2 bench (two spawned gloo ranks) runs and prints a row per engine; ~10 s."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "roundpipe.optim.bench_fsdp", "--optimizers", "SGD", "--backends", "fast"]
+    cmd += ["--workloads", "layers", "--repeats", "1", "--warmup", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_OPTIM_")}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ")[:2] for line in done.stdout.splitlines() if line.startswith("SGD | ")]
+    assert rows == [["SGD", "torch"], ["SGD", "fast"]], done.stdout

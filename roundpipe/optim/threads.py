@@ -4,9 +4,13 @@
 threads a step uses; by default it follows ``torch.get_num_threads()``. The native backend
 sets numba's pool to it, the numexpr engine numexpr's, and the torch engine runs its chunks on
 ``run_parallel``'s pool of Python threads while torch's own intra-op pool is held at one thread
-(``torch_threads``, through threadpoolctl's view of the OpenMP pools; then restored), so no
-two pools ever run more threads than asked for. In a child process created by ``fork`` the
-count is 1 (GNU OpenMP hangs in a forked child's parallel regions).
+(``torch_threads``: ``torch.set_num_threads``, then restored), so no two pools ever run more
+threads than asked for. threadpoolctl reads and limits every OpenMP and BLAS pool in the
+process; the bench uses it to report them. A step does not: measured here, a
+``threadpool_limits(1, user_api="openmp")`` block costs 1.3 ms (it scans the loaded libraries
+each time), a kept ``ThreadpoolController().limit`` 18 us, and the ``torch.set_num_threads``
+pair 0.3 us, which also sets the one OpenMP pool a step would run (torch's libgomp). In a child
+process created by ``fork`` the count is 1 (GNU OpenMP hangs in a forked child's parallel regions).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ def test_bench_runs(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "busy: 1 other process" in text
     assert "speedup over torch for-loop" in text
+    assert "thread pools after the run (threadpoolctl): " in text  # torch's OpenMP pool at least
     result = json.loads(out.read_text())
     assert result["meta"]["busy"] == 1
     rows = result["workloads"]["small"]["optimizers"]

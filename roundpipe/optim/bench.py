@@ -610,6 +610,8 @@ def report(result: dict, backends) -> str:
         "B/elem: bytes a step must read and write per element (from its spec program); "
         "bw-bound: B/elem x elements / bandwidth ceiling, in ms",
     ]
+    if meta.get("thread_pools"):
+        out.append("thread pools after the run (threadpoolctl): " + "; ".join(meta["thread_pools"]))
     if meta["env"]:
         out.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(meta["env"].items())))
     for wl, res in result["workloads"].items():

@@ -3,9 +3,9 @@
     python -m roundpipe.optim.bench_fsdp [--optimizers Adam,SGD] [--backends fast,native]
                                          [--workloads large,layers] [--repeats 7] [--warmup 2]
 
-Only ``opt.step()`` is timed (no
-forward or backward). For each workload, optimizer and engine (roundpipe backends, and torch's
-for-loop, ``foreach=False``, which is what torch.optim uses for DTensors on the CPU):
+Only ``opt.step()`` is timed (no forward or backward). For each workload, optimizer (with the
+main bench's options, ``bench.OPTIONS``) and engine (roundpipe backends, and torch's for-loop,
+``foreach=False``, which is what torch.optim uses for DTensors on the CPU):
 
 * ``unsharded N, W threads``: one process, plain tensors, all N elements, W = world size threads
   (the same cores the ranks use below);
@@ -47,13 +47,6 @@ WORKLOADS = {
         for shape in [(512, 512)] * 4 + [(2048, 512), (512, 2048), (2048,)] + [(512,)] * 7
     ],
 }
-KWARGS = {
-    "Adam": dict(lr=1e-3),
-    "AdamW": dict(lr=1e-3),
-    "SGD": dict(lr=1e-2, momentum=0.9),
-    "Adagrad": dict(lr=1e-2),
-    "RMSprop": dict(lr=1e-2),
-}
 
 
 def _median_ms(samples):
@@ -62,11 +55,12 @@ def _median_ms(samples):
 
 def _make_opt(torch, name, engine, params):
     import roundpipe.optim
+    from roundpipe.optim.bench import OPTIONS
+    from roundpipe.optim.spec import SPECS
 
-    kwargs = dict(KWARGS.get(name, dict(lr=1e-3)))
     if engine == "torch":
-        return getattr(torch.optim, name)(params, foreach=False, **kwargs)
-    return getattr(roundpipe.optim, name)(params, backend=engine, **kwargs)
+        return SPECS[name].torch_class(params, foreach=False, **OPTIONS[name])
+    return getattr(roundpipe.optim, name)(params, backend=engine, **OPTIONS[name])
 
 
 def _time_steps(opt, warmup, repeats, sync=None):
@@ -170,10 +164,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    args.optimizers = args.optimizers.split(",")
-    args.workloads = args.workloads.split(",")
+    from roundpipe.optim.backends import NAMES
+    from roundpipe.optim.bench import _names
+    from roundpipe.optim.spec import SPECS
+
+    try:
+        args.optimizers = _names(args.optimizers, tuple(SPECS), "optimizer")
+        args.workloads = _names(args.workloads, tuple(WORKLOADS), "workload")
+        backends = _names(args.backends, NAMES, "backend") if args.backends else None
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
     has_numba = importlib.util.find_spec("numba") is not None
-    backends = args.backends.split(",") if args.backends else ["fast"] + (["native"] if has_numba else [])
+    backends = backends or ["fast"] + (["native"] if has_numba else [])
     engines = ["torch", *backends]
     os.environ["OMP_NUM_THREADS"] = "1"  # the ranks; the unsharded runs set their own counts
     for var in ("ROUNDPIPE_OPTIM_BACKEND", "ROUNDPIPE_OPTIM_ENGINE", "ROUNDPIPE_OPTIM_NUM_THREADS"):

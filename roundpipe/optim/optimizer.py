@@ -17,6 +17,7 @@ module adds:
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 
 import torch
@@ -66,36 +67,16 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Perform a single optimization step, as ``torch.optim``'s ``step`` does."""
+        """Perform a single optimization step, as ``torch.optim``'s ``step`` does.
+
+        All or nothing: everything that can fail (validation, the scalars, the engine's
+        compilation and workspaces) happens before the first write, so an exception (or a
+        KeyboardInterrupt) before it leaves every parameter and state entry as it was."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        backend = backends.get(self._roundpipe_backend)
-        backend.check_settings()
-        plan = self.__dict__.get("_roundpipe_plan")
-        grads = plan.check(self, self.spec) if plan is not None else None
-        created = []
-        try:
-            if grads is None:
-                self._roundpipe_plan = None
-                plan, grads, created = build_plan(self, self.spec, backend)
-                self._roundpipe_plan = plan
-            schedule = self._schedule(plan, grads)
-            if schedule is None:  # a unit's 0-d state is no longer uniform: re-bucket
-                plan, grads, more = build_plan(self, self.spec, backend)
-                created += more
-                self._roundpipe_plan = plan
-                schedule = self._schedule(plan, grads)
-        except BaseException:
-            rollback(self.state, created)
-            raise
-        # Nothing has been written so far; every check has passed.
-        writeback, launches = schedule
-        for unit, scratch in writeback:
-            unit.write(scratch)
-        for program, scalars, columns, cache in launches:
-            backend.run(program, scalars, columns, cache)
+        _step(self)
         return loss
 
     def _schedule(self, plan, grads):
@@ -150,6 +131,54 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 scalars = [(values, len(unit.positions)) for unit, values, _ in parts]
             launches.append((program, scalars, columns, cache))
         return writeback, launches
+
+
+def _run_step(opt):
+    backend = backends.get(opt._roundpipe_backend)
+    backend.check_settings()
+    plan = opt.__dict__.get("_roundpipe_plan")
+    grads = plan.check(opt, opt.spec) if plan is not None else None
+    created = []
+    try:
+        if grads is None:
+            opt._roundpipe_plan = None
+            plan, grads, created = build_plan(opt, opt.spec, backend)
+            opt._roundpipe_plan = plan
+        schedule = opt._schedule(plan, grads)
+        if schedule is None:  # a unit's 0-d state is no longer uniform: re-bucket
+            plan, grads, more = build_plan(opt, opt.spec, backend)
+            created += more
+            opt._roundpipe_plan = plan
+            schedule = opt._schedule(plan, grads)
+        writeback, launches = schedule
+        # every launch of the step is prepared (compiled, its workspace allocated) before any
+        # is run: if one cannot start, none does
+        ready = [backend.prepare(prog, scalars, columns, cache) for prog, scalars, columns, cache in launches]
+    except BaseException:
+        rollback(opt.state, created)
+        opt._roundpipe_plan = None  # rebuilt (and re-validated) by the next step
+        raise
+    # Nothing has been written so far; every check has passed.
+    for unit, scratch in writeback:
+        unit.write(scratch)
+    for launch in ready:
+        launch()
+
+
+_disabled_step = None
+
+
+def _step(opt):
+    """The step, run as itself inside ``torch.compile``: dynamo would otherwise trace into
+    numba's dispatcher (and fail) or recompile the torch engine's ops with inductor (other
+    rounding). ``torch.compiler.disable`` imports dynamo (1.2 s), so it is applied only once
+    dynamo has been imported: nothing can be compiling before that."""
+    global _disabled_step
+    if "torch._dynamo" not in sys.modules:
+        return _run_step(opt)
+    if _disabled_step is None:
+        _disabled_step = torch.compiler.disable(_run_step, recursive=True)
+    return _disabled_step(opt)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ parameter (gradient attribute reads and checks 0.45, addresses 0.2, state identi
 from __future__ import annotations
 
 import operator
+import sys
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -38,14 +39,22 @@ SUPPORTED_DTYPES = (torch.float32, torch.complex64)
 _STRIDED = torch.strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch built without distributed
-    DTensor = None
+# DTensor is looked up only once torch.distributed.tensor has been imported (by the user, or
+# FSDP2): importing it here would cost 0.7 s at ``import roundpipe.optim``, and no DTensor can
+# exist before it is imported.
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def _dtensor_types():
+    mod = sys.modules.get(_DTENSOR_MODULE)
+    if mod is None:
+        return None
+    return mod.DTensor, mod.Replicate, mod.Shard
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    types = _dtensor_types()
+    return types is not None and isinstance(t, types[0])
 
 
 def local(t):
@@ -85,6 +94,7 @@ def tensor_problem(t, what: str, like=None):
                 f"has {like.placements} on {like.device_mesh}"
             )
     if is_dtensor(t):
+        _, Replicate, Shard = _dtensor_types()
         bad = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
         if bad:
             return ValueError, f"{what} is a DTensor with placements {t.placements}; only Shard and Replicate"
@@ -193,6 +203,7 @@ class GroupPlan:
         "gi",
         "group",
         "params_list",
+        "params_items",
         "n_params",
         "options",
         "indices",
@@ -205,6 +216,7 @@ class GroupPlan:
         "dtypes",
         "ptrs",
         "tensors",
+        "tensor_ptrs",
         "plain",
         "complex",
         "units",
@@ -214,6 +226,7 @@ class GroupPlan:
         self.gi = gi
         self.group = group
         self.params_list = group["params"]
+        self.params_items = list(self.params_list)  # an element replaced in place is seen
         self.n_params = len(self.params_list)
         self.options = options
         self.indices = indices
@@ -230,6 +243,8 @@ class GroupPlan:
         self.ptrs = _ptrs(params, self.plain)
         # every state tensor the step reads or writes, by name, for the identity check
         self.tensors = {n: [st[n] for st in states] for n in (*self.inputs, *self.scalar_names)}
+        # and where their storage is (``.data =`` or ``.set_()`` moves it under the same object)
+        self.tensor_ptrs = {n: _ptrs(self.tensors[n], self.plain) for n in self.inputs}
         self.units = _units(self, init_flags)
 
     def grads(self):
@@ -328,8 +343,13 @@ class StepPlan:
             grads = gp.grads() if gp.params else []
             if grads is None or _ptrs(gp.params, gp.plain) != gp.ptrs:
                 return None
+            if not all(map(is_, gp.params_list, gp.params_items)):
+                return None
             for st_name, tensors in gp.tensors.items():
-                if not all(map(is_, [st[st_name] for st in gp.states], tensors)):
+                if not all(map(is_, [st.get(st_name) for st in gp.states], tensors)):
+                    return None
+            for st_name, ptrs in gp.tensor_ptrs.items():
+                if _ptrs(gp.tensors[st_name], gp.plain) != ptrs:
                     return None
             out.append(grads)
         if len(out) != len(self.groups):  # a group with grads that the plan has not seen

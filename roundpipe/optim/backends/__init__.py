@@ -1,35 +1,40 @@
 """Backends: interpreters and compilers of the spec (``roundpipe.optim.spec``).
 
-The whole interface a backend implements (duck-typed; ``Backend`` documents it):
+The whole interface a backend implements (duck-typed):
 
 .. code-block:: python
 
     class Backend:
         name: str                     # as passed to backend=
         def check_settings(self): ... # raise now, before a step writes anything, on bad settings
-        def run(self, program, scalars, columns, cache=None): ...
+        def prepare(self, program, scalars, columns, cache) -> launch: ...
 
-``run`` executes ``program`` (``spec/ir.py``) in place on every parameter of ``columns``
-(program tensor name -> list of real float32 CPU tensors, one per parameter, all contiguous).
-``scalars`` is one dict of per-step scalars for every parameter, or a list of
-``(scalars, count)`` segments that cover the parameters in order (parameters whose 0-d state
-differs, e.g. a different ``step``, get different scalars). A column of type ``Checked`` has been validated by
-the step plan; any other is checked by the backend that needs it. ``cache`` is a dict the step plan
-keeps for this call site between steps (flat buffers, pointer tables); it is dropped whenever
-the plan is rebuilt.
+``prepare`` does everything that can fail for running ``program`` (``spec/ir.py``) in place on
+every parameter of ``columns`` (program tensor name -> list of real float32 CPU tensors, one
+per parameter, all contiguous): checks, compilation, workspaces. It writes nothing a user can
+see and returns ``launch``, a function of no arguments that runs the program and, short of a
+crash, cannot fail. A step prepares every launch before it writes anything, so a failure
+anywhere leaves the optimizer exactly as it was (``optimizer.py``). ``scalars`` is one dict of
+per-step scalars for every parameter, or a list of ``(scalars, count)`` segments that cover the
+parameters in order (parameters whose 0-d state differs, e.g. a different ``step``, get
+different scalars). A column of type ``Checked`` has been validated by the step plan; any other
+is checked by the backend that needs it. ``cache`` is a dict the step plan keeps for this call
+site between steps (flat buffers, pointer tables); it is dropped whenever the plan is rebuilt.
+``run(...)`` is ``prepare(...)()``, for tools and tests.
 
-The backends are peers, each in its own module, loaded on first use:
+The names (``backend=``, or ``ROUNDPIPE_OPTIM_BACKEND``; the default is ``"fast"``):
 
-* ``reference`` (``reference.py``): plain torch ops, one tensor at a time;
-* ``fast`` (``fast.py``): no compiler; small tensors batched into flat buffers, run by an
-  engine: ``torch`` (``torch_engine.py``, the default) or ``numexpr`` (``numexpr_engine.py``),
-  or ``auto`` (measured once per machine and program, remembered on disk). ``fast:torch``,
-  ``fast:numexpr`` and ``fast:auto`` name an engine; plain ``fast`` takes
-  ``ROUNDPIPE_OPTIM_ENGINE`` or the default;
-* ``native`` (``native.py``): numba, one parallel loop over every tensor of a step.
-
-The backend is chosen per optimizer with ``backend=``; when that is not given, the environment
-variable ``ROUNDPIPE_OPTIM_BACKEND`` decides, and ``"fast"`` is the default.
+* ``fast`` (``fast.py``, the default): the fast backend's default engine, ``numba``
+  (``numba_engine.py``: one compiled parallel pass over every tensor of a step, bit for bit
+  torch.optim's for-loop). Where numba cannot be imported or a kernel cannot be compiled, the
+  step runs the ``torch`` engine instead, with one warning naming the cause.
+  ``ROUNDPIPE_OPTIM_ENGINE`` picks another engine for plain ``fast``;
+* ``fast:numba``, ``fast:torch``, ``fast:numexpr``: one engine, no fallback. ``torch``
+  (``torch_engine.py``): chunked torch ops on roundpipe's threads, bit for bit the for-loop, no
+  compiler; ``numexpr`` (``numexpr_engine.py``, the design card's): fused numexpr expressions on
+  zero-copy numpy views, not bit for bit (no fused multiply-add, correctly rounded sqrt);
+* ``reference`` (``reference.py``): plain torch ops, one tensor at a time, for debugging;
+* ``native``: the old name of ``fast:numba`` (roundpipe 0.1), still accepted.
 """
 
 from __future__ import annotations
@@ -43,12 +48,12 @@ DEFAULT = "fast"
 # name -> (module, factory name, keyword arguments)
 REGISTRY = {
     "fast": ("fast", "FastBackend", {}),
+    "fast:numba": ("fast", "FastBackend", {"engine": "numba"}),
     "fast:torch": ("fast", "FastBackend", {"engine": "torch"}),
     "fast:numexpr": ("fast", "FastBackend", {"engine": "numexpr"}),
-    "fast:auto": ("fast", "FastBackend", {"engine": "auto"}),
     "reference": ("reference", "ReferenceBackend", {}),
-    "native": ("native", "NativeBackend", {}),
 }
+ALIASES = {"native": "fast:numba"}  # roundpipe 0.1's name
 NAMES = tuple(REGISTRY)
 
 _instances: dict = {}
@@ -61,15 +66,18 @@ def resolve(name: str | None) -> str:
     if name is None:
         name = os.environ.get(ENV_VAR) or DEFAULT
         source = ENV_VAR
+    name = ALIASES.get(name, name)
     if name not in REGISTRY:
         valid = ", ".join(repr(n) for n in NAMES)
         raise ValueError(f"unknown roundpipe.optim backend {name!r} (from {source}); valid: {valid}")
-    get(name)  # a backend that cannot load (native without numba) raises ImportError now
+    get(name)  # a backend that cannot load (fast:numba without numba) raises ImportError now
     return name
 
 
 def get(name: str):
-    """The shared backend object for a resolved name (stateless apart from compile caches)."""
+    """The shared backend object for a resolved name (stateless apart from compile caches,
+    which are immutable once built)."""
+    name = ALIASES.get(name, name)
     backend = _instances.get(name)
     if backend is None:
         module, factory, kwargs = REGISTRY[name]

@@ -1,42 +1,41 @@
-"""The ``fast`` backend: a spec program over many parameters, in place, no compiler needed.
+"""The ``fast`` backend: a spec program over many parameters, in place, on one of three engines.
 
-Parameters below ``SMALL_NUMEL`` elements are gathered into one flat buffer per input (one
-``torch._foreach_copy_`` each), the program runs once on the flat buffers, and the targets are
-scattered back; larger parameters are stepped where they live. Every result is written back
-into the caller's own tensors: nothing a step updates is ever replaced.
+* ``numba`` (``numba_engine.py``, the default): every tensor of the step in one compiled
+  parallel pass, no gather or scatter, bit for bit torch.optim's for-loop. Where numba cannot be
+  imported, or cannot compile a program, plain ``fast`` runs the ``torch`` engine instead and
+  warns once, naming the cause and the fix (``fast:numba`` raises instead);
+* ``torch`` (``torch_engine.py``): no compiler. Parameters below ``SMALL_NUMEL`` elements are
+  gathered into one flat buffer per input (one ``torch._foreach_copy_`` each), the program runs
+  on the flat buffers, and the targets are scattered back; larger parameters are stepped where
+  they live. The program's torch ops run with ``out=`` into cache-sized scratch slots over
+  cache-sized chunks, bit for bit the for-loop, the chunks shared out to roundpipe's own
+  threads (``threads.py``) while torch's intra-op pool is held at one thread: one parallel
+  region per step;
+* ``numexpr`` (``numexpr_engine.py``, the design card's): the same batching, one fused numexpr
+  expression per ``assign`` on zero-copy numpy views, by numexpr's own pool. Not bit for bit
+  (numexpr has no fused multiply-add and a correctly rounded sqrt).
 
-The program runs on one of two engines:
+Every result is written back into the caller's own tensors: nothing a step updates is ever
+replaced. ``ROUNDPIPE_OPTIM_ENGINE`` (or the backend names ``fast:numba``, ``fast:torch``,
+``fast:numexpr``) selects the engine.
 
-* ``torch`` (``torch_engine.py``, the default): the program's torch ops with ``out=`` into a
-  few cache-sized scratch slots, over cache-sized chunks, bit for bit torch.optim's for-loop.
-  The chunks are shared out to ``roundpipe.optim.get_num_threads()`` threads of roundpipe's
-  own pool (``threads.py``), each taking the next chunk when done with one, while torch's
-  intra-op pool is held at one thread: one parallel region per step, not one per op and chunk
-  (thousands, each waiting for its slowest thread, which on a busy machine cost seconds);
-* ``numexpr`` (``numexpr_engine.py``, the design card's): one fused numexpr expression per
-  ``assign``, evaluated with ``out=`` the target on zero-copy numpy views of whole tensors
-  (faster than chunk by chunk, see ``run_units``), by numexpr's own thread pool (a compiled
-  numexpr expression must not run in two threads at once: it crashes).
+When to pick which: ``fast`` always, unless numba is not available for the platform (then
+``fast:torch``: the same bits, 2-3x slower on many small tensors and below torch's fused kernels
+on large ones), or to read the design card's numexpr engine at work (``fast:numexpr``).
 
-``ROUNDPIPE_OPTIM_ENGINE`` (or the backend names ``fast:torch``, ``fast:numexpr``,
-``fast:auto``) selects the engine. ``auto`` times both engines on the same synthetic tensors
-once per machine, program and thread count, and remembers the choice on disk
-(``<cache>/engines.json``, next to the native kernels), so two runs on one machine take the
-same engine (and give the same bits). The default is ``torch``: on the 2-core EPYC this project
-is developed on, numexpr is compute-bound (about 2 cycles per element per operation; the PyPI
-wheel has no VML) and the torch engine was faster for every optimizer.
+Shared between threads: the compiled programs (``_torch_programs``, ``_numexpr_programs``,
+the numba engine's kernels) are immutable once built and built under a lock; a torch program's
+scratch slots are per thread; numexpr runs under one process-wide lock (numexpr's own pool
+allows one evaluation at a time, and a compiled expression must not run in two threads at
+once); the engine choice and the fallback record are written under ``self._lock``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import platform
-import statistics
 import threading
-import time
+import warnings
 
 import torch
 
@@ -48,19 +47,24 @@ from .formulas import lerp_variant, lerp_weights, scalar_env
 logger = logging.getLogger("roundpipe.optim")
 
 ENGINE_ENV_VAR = "ROUNDPIPE_OPTIM_ENGINE"
-ENGINES = ("auto", "numexpr", "torch")
-DEFAULT_ENGINE = "torch"
+ENGINES = ("numba", "torch", "numexpr")
+DEFAULT_ENGINE = "numba"
+FALLBACK_ENGINE = "torch"
 
-# Parameters with fewer elements than this are batched into flat buffers.
+# Parameters with fewer elements than this are batched into flat buffers (torch and numexpr
+# engines; the step plan creates their state in flat buffers for every engine).
 SMALL_NUMEL = 1 << 16
-CALIBRATION_NUMEL = 1 << 20
 
 
-def engine_setting(engine: str | None = None) -> str:
-    name = engine or os.environ.get(ENGINE_ENV_VAR) or DEFAULT_ENGINE
+def engine_setting(engine: str | None = None) -> tuple[str, bool]:
+    """``(engine, chosen)``: the engine to run, and whether the user chose it (by name or by
+    ``ROUNDPIPE_OPTIM_ENGINE``; a chosen ``numba`` never falls back)."""
+    name = engine or os.environ.get(ENGINE_ENV_VAR)
+    if not name:
+        return DEFAULT_ENGINE, False
     if name not in ENGINES:
         raise ValueError(f"{ENGINE_ENV_VAR}={name!r} is not one of {ENGINES}")
-    return name
+    return name, True
 
 
 class _Workspace:
@@ -108,6 +112,11 @@ class FastBackend:
         self.name = "fast" if engine is None else f"fast:{engine}"
         self._engine = engine
         self._logged: set = set()
+        self._lock = threading.Lock()
+        self._numba = None  # the NumbaEngine, once made
+        self._numba_error = None  # why it cannot be made (an ImportError)
+        self._failed: dict = {}  # program -> why its kernel cannot be compiled
+        self._warned: set = set()
 
     def check_settings(self):
         """Raise now, before a step modifies anything, if the environment's settings are bad."""
@@ -115,12 +124,39 @@ class FastBackend:
         threads.get_num_threads()
 
     # -- engines ----------------------------------------------------------------------------
-    def engine(self, program, variant, nthreads) -> str:
-        """The engine for a program variant: the setting, or with ``auto`` the remembered choice."""
-        setting = engine_setting(self._engine)
-        if setting != "auto":
-            return setting
-        return _auto_choice(program, variant, nthreads)
+    def numba_engine(self):
+        """The numba engine (ImportError when numba cannot be imported; remembered)."""
+        if self._numba is None and self._numba_error is None:
+            with self._lock:
+                if self._numba is None and self._numba_error is None:
+                    from . import numba_engine
+
+                    try:
+                        self._numba = numba_engine.NumbaEngine()
+                    except ImportError as err:
+                        self._numba_error = err
+        if self._numba_error is not None:
+            raise self._numba_error
+        return self._numba
+
+    def engine(self, program=None) -> str:
+        """The engine this backend runs ``program`` on now (after any fallback)."""
+        engine, chosen = engine_setting(self._engine)
+        if engine != "numba" or chosen:
+            return engine
+        try:
+            self.numba_engine()
+        except ImportError:
+            return FALLBACK_ENGINE
+        return FALLBACK_ENGINE if program in self._failed else engine
+
+    @property
+    def exact(self) -> bool:
+        """Whether this backend's results are bit for bit torch.optim's for-loop."""
+        engine = self.engine()
+        if engine == "numba":
+            return self.numba_engine().exact
+        return engine == "torch"
 
     def executor(self, engine, program, variant, values, nthreads):
         """``execute(units)``: run the program in place on each unit (name -> same-shaped tensor)."""
@@ -135,21 +171,77 @@ class FastBackend:
             return lambda units: prog.run_parallel(units, values, nthreads)
         raise ValueError(f"unknown engine {engine!r}")
 
+    def _fall_back(self, program, err, what):
+        """Record that ``program`` runs on the torch engine, and warn once per cause."""
+        from .numba_engine import INSTALL_HINT
+
+        with self._lock:
+            if program is not None:
+                self._failed[program] = err
+            cause = f"{type(err).__name__}: {err}"
+            if cause in self._warned:
+                return
+            self._warned.add(cause)
+        if what == "import":
+            fix = f"to step at full speed, {INSTALL_HINT}"
+        else:
+            fix = "please report it with the program below; set backend='fast:torch' to silence this"
+        msg = (
+            f"roundpipe.optim backend='fast': the numba engine {what} ({cause}); stepping with the "
+            f"torch engine instead (the same results bit for bit, slower). Fix: {fix}."
+        )
+        if program is not None and what != "import":
+            msg += f"\nprogram:\n{program}"
+        logger.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=5)
+
     # -- running ----------------------------------------------------------------------------
+    def prepare(self, program, scalars, columns, cache):
+        """Everything needed to run ``program`` on ``columns``; returns the launch (see
+        ``backends``). Nothing is written here."""
+        from . import numba_engine
+
+        engine, chosen = engine_setting(self._engine)
+        if engine == "numba":
+            try:
+                numba = self.numba_engine()
+            except ImportError as err:
+                if chosen:
+                    raise
+                self._fall_back(None, err, "cannot be imported")
+            else:
+                if program not in self._failed:
+                    try:
+                        return numba.prepare(program, scalars, columns, cache.setdefault("numba", {}))
+                    except numba_engine.KernelCompileError as err:
+                        if chosen:
+                            raise
+                        self._fall_back(program, err.__cause__ or err, "cannot compile a kernel")
+            engine = FALLBACK_ENGINE
+        return self._prepare_batched(engine, program, scalars, columns, cache)
+
     def run(self, program, scalars, columns, cache=None):
-        """Run ``program`` in place on every parameter of ``columns`` (see ``backends``)."""
-        cache = {} if cache is None else cache
+        """``prepare`` then launch (for tools and tests)."""
+        self.prepare(program, scalars, columns, {} if cache is None else cache)()
+
+    def _prepare_batched(self, engine, program, scalars, columns, cache):
         nthreads = threads.get_num_threads()
         weights = lerp_weights(program)
         n = len(columns["param"])
+        launches = []
         for k, (values, start, stop) in enumerate(segments(scalars, n)):
             cols = columns if (start, stop) == (0, n) else {m: c[start:stop] for m, c in columns.items()}
             variant = lerp_variant(values, weights)
-            engine = self.engine(program, variant, nthreads)
             if logger.isEnabledFor(logging.DEBUG):
                 self._log_once(program, engine, nthreads, cols)
             execute = self.executor(engine, program, variant, values, nthreads)
-            self._run_batched(program, cols, execute, cache.setdefault(k, {}))
+            launches.append(self._batched(program, cols, execute, cache.setdefault((engine, k), {})))
+
+        def launch():
+            for one in launches:
+                one()
+
+        return launch
 
     def _log_once(self, program, engine, nthreads, columns):
         key = (program, engine, nthreads)
@@ -167,7 +259,9 @@ class FastBackend:
             sum(n < SMALL_NUMEL for n in numels),
         )
 
-    def _run_batched(self, program, columns, execute, cache):
+    def _batched(self, program, columns, execute, cache):
+        """The launch of ``execute`` over ``columns``: small parameters through flat buffers
+        (allocated here, before the step writes anything), large ones where they live."""
         names = list(columns)
         params = columns["param"]
         plan = cache.get("plan")
@@ -182,8 +276,7 @@ class FastBackend:
         _, small, large, numels = plan
         units = [{name: columns[name][i] for name in names} for i in large]
         if not small:
-            execute(units)
-            return
+            return lambda: execute(units)
         whole = len(small) == len(params)
         subsets = cache.setdefault("members", {})  # name -> (column, its small members)
         members = {}
@@ -201,96 +294,14 @@ class FastBackend:
         if ws is None or ws.names != names or any(ws.sources[n] is not members[n] for n in ws.direct_names):
             ws = cache["ws"] = _Workspace(names, members, [numels[i] for i in small])
         gathered = [name for name in names if ws.direct[name] is None]
-        for name in gathered:
-            torch._foreach_copy_(ws.views[name], members[name])
+        scattered = [name for name in program.targets if ws.direct[name] is None]
         units.append(ws.flat)
-        execute(units)
-        for name in program.targets:
-            if ws.direct[name] is None:
+
+        def launch():
+            for name in gathered:
+                torch._foreach_copy_(ws.views[name], members[name])
+            execute(units)
+            for name in scattered:
                 torch._foreach_copy_(members[name], ws.views[name])
 
-
-# ---------------------------------------------------------------------------------------------
-# auto: measured once per machine, program and thread count, remembered on disk
-
-_choices: dict = {}
-_choices_lock = threading.Lock()
-
-
-def _choice_file() -> str:
-    from .native import cache_dir  # the cache directory's rules live there (numba not needed)
-
-    return os.path.join(os.path.dirname(cache_dir()), "engines.json")
-
-
-def _choice_key(program, variant, nthreads) -> str:
-    machine = f"{platform.machine()} {platform.processor()} {os.cpu_count()}"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            machine += next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    import numexpr
-
-    versions = f"torch {torch.__version__} numexpr {numexpr.__version__}"
-    text = f"{program}\n{variant}\n{nthreads}\n{machine}\n{versions}"
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _auto_choice(program, variant, nthreads) -> str:
-    key = _choice_key(program, variant, nthreads)
-    hit = _choices.get(key)
-    if hit is not None:
-        return hit
-    with _choices_lock:
-        path = _choice_file()
-        try:
-            with open(path, encoding="utf-8") as f:
-                _choices.update(json.load(f))
-        except (OSError, ValueError):
-            pass
-        hit = _choices.get(key)
-        source = "remembered in " + path
-        if hit is None:
-            hit, source = _calibrate(program, variant, nthreads), "measured"
-            _choices[key] = hit
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(_choices, f, indent=0, sort_keys=True)
-                os.replace(tmp, path)
-                source += ", saved to " + path
-            except OSError as err:
-                source += f", not saved ({err})"
-    logger.debug("engine=auto for a %d-statement program: %s (%s)", len(program.statements), hit, source)
-    return hit
-
-
-def _calibrate(program, variant, nthreads) -> str:
-    gen = torch.Generator().manual_seed(0)
-    tensors = {n: torch.rand(CALIBRATION_NUMEL, generator=gen).add_(0.5) for n in program.tensors}
-    values = {s: 0.1 for s in program.scalars}
-    for w, small in zip(lerp_weights(program), variant, strict=True):
-        values[w] = 0.1 if small else 0.9
-    backend = FastBackend()
-    runs = {e: backend.executor(e, program, variant, values, nthreads) for e in ("numexpr", "torch")}
-    times = {k: [] for k in runs}
-    for fn in runs.values():
-        fn([tensors])  # warm up
-    for _ in range(3):
-        for k, fn in runs.items():
-            t0 = time.perf_counter()
-            fn([tensors])
-            times[k].append(time.perf_counter() - t0)
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    choice = min(medians, key=medians.get)
-    logger.debug(
-        "calibrated on %d elements, %d threads: numexpr %.2f ms, torch %.2f ms -> %s",
-        CALIBRATION_NUMEL,
-        nthreads,
-        medians["numexpr"] * 1e3,
-        medians["torch"] * 1e3,
-        choice,
-    )
-    return choice
+        return launch

@@ -17,6 +17,7 @@ The compiler is a straight pipeline:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numexpr
@@ -115,6 +116,11 @@ class _Eval:
     uses_vml: bool
 
 
+# One numexpr evaluation at a time in this process: numexpr's pool allows only one anyway, its
+# thread count is process-wide, and a compiled expression must not run in two threads at once.
+_LOCK = threading.Lock()
+
+
 def as_numpy(t) -> np.ndarray:
     """A zero-copy numpy view of a real float32 tensor (never a copy)."""
     return t.detach().numpy()
@@ -154,10 +160,11 @@ class CompiledProgram:
         604-662 ms and 362-634 ms. numexpr already works block by block (4 Ki elements) inside
         each expression, so chunking only adds calls and pool wake-ups.
         """
-        if numexpr.get_num_threads() != nthreads:
-            numexpr.set_num_threads(nthreads)
-        for unit in units:
-            self.run(unit, env)
+        with _LOCK:  # numexpr's thread count and its compiled expressions are process-wide
+            if numexpr.get_num_threads() != nthreads:
+                numexpr.set_num_threads(nthreads)
+            for unit in units:
+                self.run(unit, env)
 
 
 def _compile_expr(out, source):

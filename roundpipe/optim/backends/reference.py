@@ -51,12 +51,23 @@ class ReferenceBackend:
     def check_settings(self):
         pass
 
-    def run(self, program, scalars, columns, cache=None):
-        """Run ``program`` on every parameter of ``columns`` (see ``backends``), one by one."""
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("backend=reference: %d parameters, one at a time", len(columns["param"]))
+    def prepare(self, program, scalars, columns, cache=None):
+        """The launch of ``program`` on every parameter of ``columns`` (see ``backends``), one by one."""
         names = list(columns)
         rows = list(zip(*columns.values(), strict=True))
-        for values, start, stop in segments(scalars, len(rows)):
-            for row in rows[start:stop]:
-                run_program(program, values, dict(zip(names, row, strict=True)))
+        work = [
+            (values, dict(zip(names, row, strict=True)))
+            for values, start, stop in segments(scalars, len(rows))
+            for row in rows[start:stop]
+        ]
+
+        def launch():
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("backend=reference: %d parameters, one at a time", len(rows))
+            for values, tensors in work:
+                run_program(program, values, tensors)
+
+        return launch
+
+    def run(self, program, scalars, columns, cache=None):
+        self.prepare(program, scalars, columns, cache)()

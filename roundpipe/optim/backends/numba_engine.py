@@ -1,4 +1,5 @@
-"""The ``native`` backend: every tensor of a step updated by one parallel numba loop.
+"""The ``numba`` engine of the ``fast`` backend (its default): every tensor of a step updated
+by one parallel numba loop.
 
 Each spec program is lowered (``formulas.py``, numba's dialect) to the statements of one loop
 iteration and compiled, once per program and lerp variant, into a kernel that walks a table of
@@ -6,7 +7,7 @@ addresses:
 
 .. code-block:: python
 
-    def kernel_parallel(nthreads, bounds, items, ptrs, bucket, sv):
+    def kernel_parallel(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn):
         for w in prange(nthreads):                 # ONE parallel region per step
             for it in range(bounds[w], bounds[w + 1]):  # this thread's slices of the tensors
                 j, lo, hi = items[it, 0], items[it, 1], items[it, 2]
@@ -25,7 +26,7 @@ go through the same kernel. The table (``ptrs``: one row of ``data_ptr()`` per p
 is rebuilt only for the columns whose tensors changed (the gradients, each step). On one thread
 the serial twin ``kernel_serial`` runs (numba's pool is never started then).
 
-Rounding is torch's float32 rounding, bit for bit:
+Rounding is torch's float32 rounding, bit for bit (torch.optim's for-loop, ``foreach=False``):
 
 * every scalar and constant is a float32 value (``sv``), and every operation is on float32;
 * each IR function is the shared formula of ``formulas.py`` (torch's formulas in torch's order);
@@ -34,29 +35,39 @@ Rounding is torch's float32 rounding, bit for bit:
   is measured once per process (``torch_fusion``), and exactly those call ``fma``
   (``llvm.fma.f32``). Nothing else is fused: without ``fastmath`` LLVM neither reassociates nor
   contracts ``a * b + c`` by itself;
+* ``sqrt`` is the routine torch's CPU ``sqrt`` runs, probed once per process (``torch_sqrt``):
+  on x86-64 wheels built with MKL that is VML's ``vmsSqrt`` (one ulp off the correctly rounded
+  root in about 15% of elements), called from the kernel on blocks of ``SQRT_BLOCK`` elements
+  through its address (a runtime argument, so kernels stay cacheable on disk); where torch's
+  ``sqrt`` is correctly rounded (no MKL) the kernel's own ``sqrt`` is used. A program with a
+  ``sqrt`` runs each block in passes: pass ``k`` computes the argument of the ``k``-th
+  ``sqrt`` into a block buffer (nothing written yet), the routine takes the roots, and the last
+  pass computes everything with the roots and writes the targets;
 * ``error_model="numpy"``: ``x / 0`` is IEEE (inf or NaN), not ``ZeroDivisionError``.
 
-One torch op cannot be matched: torch's CPU ``sqrt`` is MKL's, which is off by one ulp in about
-a fifth of the elements; the kernels' ``sqrt`` is correctly rounded (as numpy's and numexpr's).
-Programs without ``sqrt`` (SGD, ASGD, Adamax, Rprop) equal torch.optim's for-loop bit for bit;
-the others equal the reference backend bit for bit when its ``sqrt`` is correctly rounded.
-
 Compiled kernels are cached on disk between processes: the generated source is written to
-``<cache>/native/<module>.py`` (``<cache>`` is ``$ROUNDPIPE_CACHE_DIR``, else
+``<cache>/numba/<module>.py`` (``<cache>`` is ``$ROUNDPIPE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/roundpipe``, else ``~/.cache/roundpipe``), the module name a hash of the
 source and the numba version, and numba's ``cache=True`` keeps the machine code next to it in
-``__pycache__``. When that directory cannot be written, a warning says so (once per process)
-and kernels are compiled in memory, every process again.
+``__pycache__``. The source is created atomically (a temporary file linked into place) and
+numba writes its index and machine code the same way, so processes compiling the same kernel
+into one empty directory at once never see a partial file. When that directory cannot be
+written, a warning says so (once per process) and kernels are compiled in memory.
 
 Threads: a step runs ``min(roundpipe.optim.get_num_threads(), NUMBA_NUM_THREADS)`` threads of
 numba's pool, fewer when the step has under ``PARALLEL_MIN_NUMEL`` elements per thread, and
 only the serial loop on one thread (which also keeps a forked child, on one thread, from
-numba's OpenMP layer, which aborts there). numba's OpenMP layer sets the process's OpenMP
-thread count when its pool starts, and with torch's libgomp loaded first that is torch's: a
-step puts torch's count back.
+numba's OpenMP layer, which aborts there). ``numba.set_num_threads`` is thread-local (numba
+keeps the count per calling thread), so two threads stepping at once do not change each other's
+count. numba's OpenMP layer sets the process's OpenMP thread count when its pool starts, and
+with torch's libgomp loaded first that is torch's: a step puts torch's count back.
 
-numba is an optional dependency (``pip install "roundpipe[native]"``); without it, choosing
-this backend raises ``ImportError`` when the optimizer is constructed.
+Shared between threads: compiled kernels (``_kernels``, immutable once built, built under a
+lock) and the probes (``torch_fusion``, ``torch_sqrt``: computed once, then read-only). A
+launch's table lives in the step plan's cache of one optimizer.
+
+Everything that can fail (numba's import, code generation, compilation, the table) happens in
+``prepare``, before a step writes anything; the launch it returns only runs the kernels.
 """
 
 from __future__ import annotations
@@ -83,9 +94,9 @@ from .formulas import Lowering, lerp_variant, lerp_weights, scalar_env
 logger = logging.getLogger("roundpipe.optim")
 
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
-INSTALL_HINT = 'pip install "roundpipe[native]"'
+INSTALL_HINT = "pip install numba (roundpipe declares it; a wheel, no compiler needed)"
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 3
+GENERATOR_VERSION = 4
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
 # Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
@@ -93,6 +104,11 @@ JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=Tru
 PARALLEL_MIN_NUMEL = 1 << 15
 # Thread shares are cut at multiples of this many elements (64 bytes: no shared cache lines).
 ALIGN = 16
+# Elements per block handed to torch's sqrt routine (3 float32 buffers of 2 KiB: in L1).
+SQRT_BLOCK = 512
+# vmsSqrt's mode argument, as torch's ATen/cpu/vml.h passes it:
+# VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
+VML_MODE = 0x2 | 0x00140000 | 0x100
 
 _F32 = np.float32
 
@@ -103,7 +119,7 @@ def import_numba():
         import numba
     except ImportError as e:
         raise ImportError(
-            f'roundpipe.optim backend="native" needs numba, which could not be imported ({e}); '
+            f"roundpipe.optim's numba engine needs numba, which could not be imported ({e}); "
             f"install it with: {INSTALL_HINT}"
         ) from e
     return numba
@@ -115,7 +131,7 @@ def cache_dir() -> str:
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(xdg, "roundpipe")
-    return os.path.join(root, "native")
+    return os.path.join(root, "numba")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +164,7 @@ class _Codegen(Lowering):
         self.loads: list[str] = []  # input tensors read before they are first assigned
         self.lets: dict[str, str] = {}  # let name -> local
         self.body: list[str] = []
+        self.sqrts: list[int] = []  # per sqrt, in order: the length of body once its argument is bound
         self.ntemp = 0
 
     def _value(self, name: str, version: int) -> str:
@@ -170,7 +187,12 @@ class _Codegen(Lowering):
         return f"({x} or {y})"
 
     def sqrt(self, x):
-        return f"np.sqrt({x})"  # a float32 in, a float32 out (math.sqrt would be float64)
+        # torch's sqrt routine runs on a block between passes (see generate): here the
+        # argument is bound (pass k stores it) and the root is read from the block's buffer
+        j = len(self.sqrts)
+        self.body.append(f"a{j} = {x}")
+        self.sqrts.append(len(self.body))
+        return f"r{j}[i]"
 
     def fma(self, a, b, c):
         self.uses_fma = True
@@ -207,7 +229,7 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
     tensors = tuple(program.tensors)
     scalars = tuple(sorted(cg.scalars))
     const_names = tuple(sorted(cg.consts))
-    i4, i5 = " " * 12, " " * 16
+    i4, i5, i6 = " " * 12, " " * 16, " " * 20
     setup = [
         f"{i4}j = items[it, 0]",
         f"{i4}b = bucket[j]",
@@ -218,26 +240,55 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
         # (no wraparound code), and LLVM vectorizes the loop (7x faster than range(lo, hi))
         *(f"{i4}{cg.arrays[t]} = carray(f32ptr(ptrs[{r}, j] + 4 * lo), m)" for r, t in enumerate(tensors)),
     ]
-    body = [
-        *(f"{i5}{cg._value(t, 0)} = {cg.arrays[t]}[i]" for t in cg.loads),
-        *(f"{i5}{line}" for line in cg.body),
-        *(f"{i5}{cg.arrays[t]}[i] = {cg.current[t]}" for t in program.targets),
-    ]
+
+    def loop_body(indent, index, lines, stores):
+        return [
+            *(f"{indent}{cg._value(t, 0)} = {cg.arrays[t]}[{index}]" for t in cg.loads),
+            *(f"{indent}{line}" for line in lines),
+            *(f"{indent}{cg.arrays[t]}[{index}] = {cg.current[t]}" for t in program.targets if stores),
+        ]
+
+    if not cg.sqrts:
+        inner = [f"{i4}for i in range(m):", *loop_body(i5, "i", cg.body, True)]
+        scratch = []
+    else:
+        # blocks of SQRT_BLOCK elements; pass k binds the k-th sqrt's argument into q{k} (no
+        # store), torch's sqrt routine takes the block's roots into r{k}, the last pass runs
+        # the whole body with the roots and stores the targets
+        inner = [f"{i4}for b0 in range(0, m, {SQRT_BLOCK}):", f"{i5}mb = min({SQRT_BLOCK}, m - b0)"]
+        for k, cut in enumerate(cg.sqrts):
+            inner += [
+                f"{i5}for i in range(mb):",
+                f"{i6}ix = b0 + i",
+                *loop_body(i6, "ix", cg.body[:cut], False),
+                f"{i6}q{k}[i] = a{k}",
+                f"{i5}if sqrt_fn == 0:",
+                f"{i6}for i in range(mb):",
+                f"{i6}    r{k}[i] = np.sqrt(q{k}[i])",
+                f"{i5}else:",
+                f"{i6}call_sqrt(sqrt_fn, mb, q{k}, r{k})",
+            ]
+        inner += [f"{i5}for i in range(mb):", f"{i6}ix = b0 + i", *loop_body(i6, "ix", cg.body, True)]
+        scratch = [
+            f"        {buf}{k} = np.empty({SQRT_BLOCK}, np.float32)"
+            for k in range(len(cg.sqrts))
+            for buf in "qr"
+        ]
 
     def kernel(name, loop):
         return [
-            f"def {name}(nthreads, bounds, items, ptrs, bucket, sv):",
+            f"def {name}(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn):",
             f"    for w in {loop}(nthreads):",
+            *scratch,
             "        for it in range(bounds[w], bounds[w + 1]):",
             *setup,
-            f"{i4}for i in range(m):",
-            *body,
+            *inner,
             "",
             "",
         ]
 
     lines = [
-        "# Generated by roundpipe.optim.backends.native (do not edit): one parallel loop over",
+        "# Generated by roundpipe.optim.backends.numba_engine (do not edit): one parallel loop over",
         "# every slice of every tensor of a step, running this spec program,",
         "#",
         *(f"#   {line}" for line in str(program).splitlines()),
@@ -245,11 +296,13 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
         f"# lerp variant {tuple(variant)!r}, fused multiply-adds in {sorted(cg.fused)!r},",
         f"# generator version {GENERATOR_VERSION}. Every scalar and constant is a float32 read from",
         "# sv (a Python float literal would make numba compute in float64). The same loop twice:",
-        "# kernel_parallel for numba.njit(parallel=True), kernel_serial for one thread.",
+        "# kernel_parallel for numba.njit(parallel=True), kernel_serial for one thread. sqrt_fn: the",
+        "# address of torch's sqrt routine (vmsSqrt), or 0 for the correctly rounded sqrt.",
         "import numpy as np",
         "from numba import carray, prange",
         "",
-        "from roundpipe.optim.backends.native import f32ptr" + (", fma" if cg.uses_fma else ""),
+        "from roundpipe.optim.backends.numba_engine import "
+        + ", ".join(["f32ptr", *(["fma"] if cg.uses_fma else []), *(["call_sqrt"] if cg.sqrts else [])]),
         "",
         "",
         *kernel("kernel_parallel", "prange"),
@@ -273,12 +326,22 @@ def torch_fusion():
     torch's vectorized CPU kernels (AVX2, AVX-512) compute ``add(a, b, alpha)`` as
     ``fma(alpha, b, a)``, ``addcmul`` as ``fma(value * b, c, a)`` and ``lerp`` as
     ``fma(w, end - start, start)`` (or from the end), rounding once where the formula in the
-    torch source rounds twice; its generic build does not. Measuring it makes the native
+    torch source rounds twice; its generic build does not. Measuring it makes the numba
     kernels round as the torch in this process does, bit for bit.
     """
     global _fusion
     if _fusion is not None:
         return _fusion
+    with _fusion_lock:
+        if _fusion is None:
+            _fusion = _probe_fusion()
+    return _fusion
+
+
+_fusion_lock = threading.Lock()
+
+
+def _probe_fusion():
     gen = torch.Generator().manual_seed(0)
     a, b, c = (torch.randn(4099, generator=gen) for _ in range(3))
     A, B, C = (x.numpy() for x in (a, b, c))
@@ -307,8 +370,91 @@ def torch_fusion():
         if not np.array_equal(got, fma_):
             exact = False
             logger.warning("torch.%s rounds neither like a*b+c nor like fma(a, b, c) here", name)
-    _fusion = (frozenset(fused), exact)
-    return _fusion
+    return frozenset(fused), exact
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's sqrt
+
+_sqrt = None
+_probe_lock = threading.Lock()
+
+
+def _vml_sqrt_address() -> int:
+    """The address of ``vmsSqrt`` in the libtorch this process loaded, or 0."""
+    import ctypes
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
+        path = os.path.join(lib_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            fn = ctypes.CDLL(path).vmsSqrt
+        except (OSError, AttributeError):
+            return 0
+        return ctypes.cast(fn, ctypes.c_void_p).value or 0
+    return 0
+
+
+def _probe_values() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.empty(1 << 16).uniform_(-104.0, 89.0, generator=gen).exp()  # subnormal to huge
+    unit = torch.rand(1 << 16, generator=gen) * 10
+    special = torch.tensor([0.0, -0.0, -1.0, float("inf"), -float("inf"), float("nan"), 1e-45, 4.0])
+    return torch.cat([wide, unit, special])
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    """float32 bits, every NaN as one pattern (payloads are not compared)."""
+    bits = x.view(np.int32).copy()
+    bits[np.isnan(x)] = 0x7FC00000
+    return bits
+
+
+def torch_sqrt():
+    """``(address, what, exact)``: the sqrt routine this torch's CPU ``sqrt`` runs, probed once
+    per process on 131,080 floats (subnormal to huge, specials).
+
+    ``address`` is that of MKL's ``vmsSqrt`` when it gives torch's bits exactly (the x86-64
+    wheels: torch's ATen/cpu/vml.h calls it with VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE),
+    else 0, and the kernels use the correctly rounded sqrt; ``exact`` says whether the chosen
+    one equals torch's ``sqrt`` on every probe value.
+    """
+    global _sqrt
+    if _sqrt is not None:
+        return _sqrt
+    with _probe_lock:
+        if _sqrt is None:
+            _sqrt = _probe_sqrt()
+    return _sqrt
+
+
+def _probe_sqrt():
+    import ctypes
+
+    x = _probe_values()
+    want = _bits(torch.sqrt(x).numpy())
+    address = _vml_sqrt_address()
+    if address:
+        fn = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(address)
+        out = torch.empty_like(x)
+        for lo in range(0, x.numel(), SQRT_BLOCK):  # in the kernels' blocks
+            n = min(SQRT_BLOCK, x.numel() - lo)
+            fn(n, x.data_ptr() + 4 * lo, out.data_ptr() + 4 * lo, VML_MODE)
+        if np.array_equal(_bits(out.numpy()), want):
+            return address, "MKL vmsSqrt, as torch.sqrt (bit for bit on the probe)", True
+    with np.errstate(invalid="ignore"):
+        rounded = _bits(np.sqrt(x.numpy()))
+    if np.array_equal(rounded, want):
+        return 0, "correctly rounded, as torch.sqrt (bit for bit on the probe)", True
+    differ = int((rounded != want).sum())
+    msg = (
+        f"correctly rounded; torch.sqrt here is neither that nor MKL's vmsSqrt ({differ} of "
+        f"{x.numel()} probe values differ): programs with a sqrt may differ from torch by an ulp"
+    )
+    logger.warning("roundpipe.optim numba engine: sqrt is %s", msg)
+    return 0, msg, False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +471,7 @@ def _warn_uncached(directory, err):
         return
     _warned_readonly = True
     msg = (
-        f'roundpipe.optim backend="native": cannot write its kernel cache in {directory!r} ({err}); '
+        f"roundpipe.optim's numba engine: cannot write its kernel cache in {directory!r} ({err}); "
         "compiling kernels in memory instead, so every process compiles them again. "
         f"Set {CACHE_ENV_VAR} to a writable directory to cache them."
     )
@@ -386,8 +532,8 @@ def _load_module(name: str, source: str):
 
 
 @dataclass
-class NativeKernel:
-    """A program's kernels (parallel and serial, each compiled on first call) for one variant."""
+class NumbaKernel:
+    """A program's kernels (parallel and serial) for one lerp variant."""
 
     program: object
     variant: tuple
@@ -397,24 +543,38 @@ class NativeKernel:
     parallel: object  # numba dispatcher of kernel_parallel
     serial: object  # numba dispatcher of kernel_serial
 
-    def run(self, tensors: dict, env: dict, nthreads: int = 1):
+    def run(self, tensors: dict, env: dict, nthreads: int = 1, sqrt_fn: int | None = None):
         """Run once on one set of same-shaped real float32 tensors (name -> tensor) with the
-        scalars ``env`` (``scalar_env()``): for tests and tools; steps go through the backend."""
+        scalars ``env`` (``scalar_env()``): for tests and tools; steps go through the engine.
+        ``sqrt_fn``: the sqrt routine's address (default: torch's, ``torch_sqrt``)."""
         table = _Table(self.source.tensors, [tensors["param"]])
         for r, name in enumerate(self.source.tensors):
             table.update(r, [tensors[name]])
         sv = np.asarray([self.sv_row(env)], dtype=np.float32)
         bounds, items = partition(table.sizes, nthreads)
         kernel = self.serial if nthreads == 1 else self.parallel
-        kernel(nthreads, bounds, items, table.ptrs, table.bucket, sv)
+        fn = torch_sqrt()[0] if sqrt_fn is None else sqrt_fn
+        kernel(nthreads, bounds, items, table.ptrs, np.zeros(1, np.int64), sv, fn)
 
     def sv_row(self, env: dict) -> list:
         """One row of ``sv``: the scalars (from scalar_env()) then the constants."""
         return [*(env[s] for s in self.source.scalars), *self.source.consts]
 
+    def ensure_compiled(self, parallel: bool, ptrs, sv):
+        """Compile (or load from the disk cache) the kernel a launch will call, now: an empty
+        call with the launch's argument types runs no iteration."""
+        dispatcher = self.parallel if parallel else self.serial
+        if not dispatcher.signatures:
+            dispatcher(1, _EMPTY_BOUNDS, _EMPTY_ITEMS, ptrs, np.zeros(1, np.int64), sv, 0)
+        return dispatcher
+
     @property
     def dispatchers(self):
         return (self.parallel, self.serial)
+
+
+_EMPTY_BOUNDS = np.zeros(2, dtype=np.int64)
+_EMPTY_ITEMS = np.zeros((0, 3), dtype=np.int64)
 
 
 def partition(sizes, nthreads: int):
@@ -446,7 +606,7 @@ def partition(sizes, nthreads: int):
 _kernels = CompileCache()
 
 
-def compile_kernel(program, variant: tuple, fused=None) -> NativeKernel:
+def compile_kernel(program, variant: tuple, fused=None) -> NumbaKernel:
     """The kernels for ``program`` and a lerp variant; ``fused`` defaults to torch_fusion()'s.
     numba compiles (or loads from its cache) each of the two on its first call."""
     numba = import_numba()
@@ -456,10 +616,10 @@ def compile_kernel(program, variant: tuple, fused=None) -> NativeKernel:
     return _kernels.get((program, tuple(variant), fused), lambda: _compile(numba, program, variant, fused))
 
 
-def _compile(numba, program, variant, fused) -> NativeKernel:
+def _compile(numba, program, variant, fused) -> NumbaKernel:
     ks = generate(program, variant, fused)
     key = f"{ks.source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
-    name = "roundpipe_native_" + hashlib.sha256(key.encode()).hexdigest()[:24]
+    name = "roundpipe_numba_" + hashlib.sha256(key.encode()).hexdigest()[:24]
     module, on_disk = _load_module(name, ks.source)
     serial_options = {**JIT_OPTIONS, "parallel": False}
     try:
@@ -470,90 +630,115 @@ def _compile(numba, program, variant, fused) -> NativeKernel:
         on_disk = False
         par = numba.njit(cache=False, **JIT_OPTIONS)(module.kernel_parallel)
         ser = numba.njit(cache=False, **serial_options)(module.kernel_serial)
-    return NativeKernel(program, tuple(variant), fused, ks, on_disk, par, ser)
+    return NumbaKernel(program, tuple(variant), fused, ks, on_disk, par, ser)
 
 
 # ---------------------------------------------------------------------------------------------
-# the backend
+# the engine
 
 _F32_DTYPE = torch.float32
 
 
-class NativeBackend:
-    name = "native"
+class KernelCompileError(RuntimeError):
+    """A program's kernel could not be generated or compiled (the cause is chained)."""
+
+
+class NumbaEngine:
+    """Runs spec programs as compiled kernels (``fast``'s default engine; see the module doc)."""
+
+    name = "numba"
 
     def __init__(self):
         self._numba = import_numba()
-        self.fused, self.exact = torch_fusion()
+        self.fused, fusion_exact = torch_fusion()
+        self.sqrt_fn, self.sqrt_what, sqrt_exact = torch_sqrt()
+        # bit for bit torch.optim's for-loop for every program
+        self.exact = fusion_exact and sqrt_exact
+        logger.debug(
+            "numba engine: numba %s, threading layer %s, fused multiply-adds in %s, sqrt %s",
+            self._numba.__version__,
+            self._numba.config.THREADING_LAYER,
+            sorted(self.fused),
+            self.sqrt_what,
+        )
 
-    def check_settings(self):
-        threads.get_num_threads()
-
-    def kernel(self, program, variant) -> NativeKernel:
+    def kernel(self, program, variant) -> NumbaKernel:
         return compile_kernel(program, variant, self.fused)
 
-    def run(self, program, scalars, columns, cache=None):
-        """One kernel launch over every parameter of ``columns`` (see ``backends.Backend``)."""
-        cache = {} if cache is None else cache
+    def prepare(self, program, scalars, columns, cache):
+        """Everything a launch over ``columns`` needs (kernels compiled, the address table,
+        the scalars' rows, the partition), or an exception; returns ``launch()``, which only
+        runs the kernels. See ``backends.Backend``."""
         params = columns["param"]
         weights = lerp_weights(program)
-        segs = segments(scalars, len(params))
         by_variant: dict = {}
-        for values, start, stop in segs:
+        for values, start, stop in segments(scalars, len(params)):
             by_variant.setdefault(lerp_variant(values, weights), []).append((values, start, stop))
-        # numba's OpenMP layer, when it starts its pool, sets the OpenMP thread count of the
-        # process, which (with torch's libgomp loaded first) is torch's intra-op count: put
-        # torch's back as it was, so a step never changes the caller's settings
-        before = torch.get_num_threads()
-        try:
-            for variant, parts in by_variant.items():
-                self._launch(self.kernel(program, variant), parts, columns, weights, cache)
-        finally:
-            if torch.get_num_threads() != before:
-                torch.set_num_threads(before)
-
-    def _launch(self, kernel, parts, columns, weights, cache):
-        names = kernel.source.tensors
-        params = columns["param"]
+        names = program.tensors
         table = cache.get("table")
         if table is None or table.names != names or table.params is not params:
             table = cache["table"] = _Table(names, params)
         for r, name in enumerate(names):
             table.update(r, columns[name])
-        try:
-            self._run_table(kernel, parts, table, weights)
-        finally:
-            table.release_volatile()
-
-    def _run_table(self, kernel, parts, table, weights):
-        params = table.params
         if table.total == 0:
-            return
-        bucket = table.bucket
-        if len(parts) == 1 and parts[0][1] == 0 and parts[0][2] == len(params):
-            bucket.fill(0)
-            sv = np.asarray([kernel.sv_row(scalar_env(parts[0][0], weights))], dtype=np.float32)
-        else:
-            bucket.fill(-1)
-            rows = []
-            for k, (values, start, stop) in enumerate(parts):
-                bucket[start:stop] = k
-                rows.append(kernel.sv_row(scalar_env(values, weights)))
-            sv = np.asarray(rows, dtype=np.float32)
+            table.release_volatile()
+            return _nothing
         nthreads = self._threads(table.total)
-        bounds, items = table.partition(nthreads, bucket)
-        if nthreads == 1:
-            kernel.serial(1, bounds, items, table.ptrs, bucket, sv)
-        else:
-            kernel.parallel(nthreads, bounds, items, table.ptrs, bucket, sv)
+        calls = []
+        for variant, parts in by_variant.items():
+            try:
+                kernel = self.kernel(program, variant)
+                bucket, sv = self._rows(kernel, parts, len(params), weights, cache)
+                dispatcher = kernel.ensure_compiled(nthreads > 1, table.ptrs, sv)
+            except Exception as err:  # not KeyboardInterrupt: that propagates as itself
+                raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
+            bounds, items = table.partition(nthreads, bucket)
+            calls.append((dispatcher, bounds, items, bucket, sv))
+        ptrs, sqrt_fn = table.ptrs, self.sqrt_fn
+
+        def launch():
+            # numba's OpenMP layer, when it starts its pool, sets the OpenMP thread count of the
+            # process, which (with torch's libgomp loaded first) is torch's intra-op count: put
+            # torch's back as it was, so a step never changes the caller's settings
+            before = torch.get_num_threads()
+            try:
+                if nthreads > 1 and self._numba.get_num_threads() != nthreads:
+                    self._numba.set_num_threads(nthreads)  # thread-local in numba
+                for dispatcher, bounds, items, bucket, sv in calls:
+                    dispatcher(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn)
+            finally:
+                table.release_volatile()
+                if torch.get_num_threads() != before:
+                    torch.set_num_threads(before)
+
+        return launch
+
+    def run(self, program, scalars, columns, cache=None):
+        """``prepare`` then launch (for tools and tests)."""
+        self.prepare(program, scalars, columns, {} if cache is None else cache)()
+
+    @staticmethod
+    def _rows(kernel, parts, n, weights, cache):
+        """Each parameter's row of ``sv`` (``bucket``) and the rows (one per segment)."""
+        if len(parts) == 1 and parts[0][1] == 0 and parts[0][2] == n:
+            bucket = cache.get("bucket0")
+            if bucket is None or len(bucket) != n:
+                bucket = cache["bucket0"] = np.zeros(n, dtype=np.int64)
+            return bucket, np.asarray([kernel.sv_row(scalar_env(parts[0][0], weights))], dtype=np.float32)
+        bucket = np.full(n, -1, dtype=np.int64)
+        rows = []
+        for k, (values, start, stop) in enumerate(parts):
+            bucket[start:stop] = k
+            rows.append(kernel.sv_row(scalar_env(values, weights)))
+        return bucket, np.asarray(rows, dtype=np.float32)
 
     def _threads(self, total: int) -> int:
-        numba = self._numba
-        n = min(threads.get_num_threads(), numba.config.NUMBA_NUM_THREADS, total // PARALLEL_MIN_NUMEL)
-        n = max(1, n)
-        if n > 1 and numba.get_num_threads() != n:
-            numba.set_num_threads(n)
-        return n
+        n = min(threads.get_num_threads(), self._numba.config.NUMBA_NUM_THREADS, total // PARALLEL_MIN_NUMEL)
+        return max(1, n)
+
+
+def _nothing():
+    pass
 
 
 class _Table:
@@ -568,7 +753,6 @@ class _Table:
         self.ptrs = np.zeros((len(names), len(params)), dtype=np.int64)
         self.columns = [None] * len(names)
         self.volatile = [False] * len(names)  # a new list of tensors every step (the grads)
-        self.bucket = np.zeros(len(params), dtype=np.int64)
         self._partitions: dict = {}
 
     def update(self, row: int, column):
@@ -579,7 +763,7 @@ class _Table:
             or not all([t.dtype is _F32_DTYPE and t.is_contiguous() for t in column])
         ):
             raise ValueError(
-                f"native kernel: {self.names[row]!r} tensors must be contiguous float32 of the "
+                f"numba engine: {self.names[row]!r} tensors must be contiguous float32 of the "
                 "parameters' sizes"
             )
         self.ptrs[row] = [t.data_ptr() for t in column]
@@ -611,8 +795,9 @@ def kernel_source(program, variant=None, fused=None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# intrinsics imported by the generated modules, built on first use (numba is optional):
-# ``fma`` (float32 a * b + c rounded once) and ``f32ptr`` (an address as a float32 pointer)
+# intrinsics imported by the generated modules, built on first use (numba is imported lazily):
+# ``fma`` (float32 a * b + c rounded once), ``f32ptr`` (an address as a float32 pointer) and
+# ``call_sqrt`` (torch's sqrt routine, called through its address)
 
 _intrinsics: dict = {}
 
@@ -648,19 +833,41 @@ def _make_intrinsics():
 
             return ptr(address), codegen
 
-        _intrinsics.update(fma=fma, f32ptr=f32ptr)
+        @intrinsic
+        def call_sqrt(typingctx, fn, n, src, dst):
+            """``fn(n, src, dst, VML_MODE)``: the sqrt routine at address ``fn`` (vmsSqrt's
+            signature: int32 count, float32 in, float32 out, int64 mode) on ``n`` elements."""
+            if not (isinstance(fn, types.Integer) and isinstance(n, types.Integer)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                fnaddr, count, a, r = args
+                f32p = ir.FloatType().as_pointer()
+                fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), f32p, f32p, ir.IntType(64)])
+                target = builder.inttoptr(fnaddr, fnty.as_pointer())
+                count32 = builder.trunc(count, ir.IntType(32))
+                pa = context.make_array(signature.args[2])(context, builder, a).data
+                pr = context.make_array(signature.args[3])(context, builder, r).data
+                mode = ir.Constant(ir.IntType(64), VML_MODE)
+                builder.call(target, [count32, builder.bitcast(pa, f32p), builder.bitcast(pr, f32p), mode])
+                return context.get_dummy_value()
+
+            return types.void(fn, n, src, dst), codegen
+
+        _intrinsics.update(fma=fma, f32ptr=f32ptr, call_sqrt=call_sqrt)
     return _intrinsics
 
 
 def __getattr__(name):
-    if name in ("fma", "f32ptr"):
+    if name in ("fma", "f32ptr", "call_sqrt"):
         return _make_intrinsics()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "NativeBackend",
-    "NativeKernel",
+    "KernelCompileError",
+    "NumbaEngine",
+    "NumbaKernel",
     "cache_dir",
     "compile_kernel",
     "generate",

@@ -1,5 +1,5 @@
 """Conformance suite: every ``roundpipe.optim`` optimizer, on every backend (``reference``,
-``fast`` with each of its engines, ``native``), against torch.optim.
+``fast`` with each of its engines: ``fast:numba``, ``fast:torch``, ``fast:numexpr``), against torch.optim.
 
 * ``cases.py``            the table of cases: one (optimizer, kwargs) per entry, and the backends;
 * ``harness.py``          the parameter set, the gradients, the step-by-step comparison and the

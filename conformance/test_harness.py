@@ -35,15 +35,15 @@ def _perturbed(snap, index, element, share):
     return out
 
 
-CTX = Context(Case("SGD", {}), "native")
+CTX = Context(Case("SGD", {}), "fast:numba")
 
 
 @pytest.mark.parametrize("index", [7, 10])  # float32 70001, complex64 33000
 @pytest.mark.parametrize("share", [0.3, 0.9])
 def test_differences_inside_the_allowance_pass_and_are_measured(index, share):
     theirs = _snapshot()
-    compare_values(_perturbed(theirs, index, 123, share), theirs, CTX, "native")
-    st = harness.RECORDER.stats[("SGD", "native")]
+    compare_values(_perturbed(theirs, index, 123, share), theirs, CTX, "fast:numba")
+    st = harness.RECORDER.stats[("SGD", "fast:numba")]
     assert st.max_ratio == pytest.approx(share, rel=0.02)  # b + share * allowance, rounded to float32
     assert f"param[{index}]" in st.worst and "element 123" in st.worst
 
@@ -52,24 +52,24 @@ def test_differences_inside_the_allowance_pass_and_are_measured(index, share):
 def test_a_difference_beyond_the_allowance_fails_and_names_the_tensor(index):
     theirs = _snapshot()
     with pytest.raises(AssertionError, match=rf"param\[{index}\] .* value vs torch"):
-        compare_values(_perturbed(theirs, index, 123, 2.0), theirs, CTX, "native")
+        compare_values(_perturbed(theirs, index, 123, 2.0), theirs, CTX, "fast:numba")
 
 
 def test_a_declared_tolerance_replaces_the_defaults_and_is_recorded():
     theirs = _snapshot()
     ours = _perturbed(theirs, 7, 5, 3.0)  # 3x the default allowance: about 3e-5
     with pytest.raises(AssertionError):
-        compare_values(ours, theirs, CTX, "native")
-    dev = Deviation(("native",), "SGD", {}, "test", "test", tolerance={"rtol": RTOL, "atol": 4e-5})
+        compare_values(ours, theirs, CTX, "fast:numba")
+    dev = Deviation(("fast:numba",), "SGD", {}, "test", "test", tolerance={"rtol": RTOL, "atol": 4e-5})
     compare_values(ours, theirs, CTX, "native", dev)
-    assert harness.RECORDER.deviations[(dev.name, "native")].max_ratio == pytest.approx(3.0, rel=0.02)
+    assert harness.RECORDER.deviations[(dev.name, "fast:numba")].max_ratio == pytest.approx(3.0, rel=0.02)
 
 
 def test_state_values_are_compared():
     buf = torch.ones(3, 5)
     theirs, ours = _snapshot({0: {"momentum_buffer": buf}}), _snapshot({0: {"momentum_buffer": buf + 1e-4}})
     with pytest.raises(AssertionError, match=r"param\[0\] .* state\['momentum_buffer'\]"):
-        compare_values(ours, theirs, CTX, "native")
+        compare_values(ours, theirs, CTX, "fast:numba")
 
 
 def test_an_empty_state_entry_where_torch_has_none_is_a_difference():
@@ -99,12 +99,12 @@ def test_declared_deviations_are_checked_and_an_xfail_is_strict(monkeypatch):
     from . import deviations, test_conformance
     from .cases import BACKENDS, CASES
 
-    xfail = Deviation(("native",), "Rprop", {"maximize": True}, "a reason", "measured")
+    xfail = Deviation(("fast:numba",), "Rprop", {"maximize": True}, "a reason", "measured")
     monkeypatch.setattr(deviations, "DEVIATIONS", (xfail,))
     deviations.check(CASES, BACKENDS)
     marked = {p.id: p.marks for p in test_conformance._params() if p.marks}
     assert marked and all(
-        i.startswith("Rprop-") and "maximize=True" in i and i.endswith("-native") for i in marked
+        i.startswith("Rprop-") and "maximize=True" in i and i.endswith("-fast:numba") for i in marked
     )
     assert all(
         m.name == "xfail" and m.kwargs["strict"] and m.kwargs["reason"] == "a reason"
@@ -113,9 +113,9 @@ def test_declared_deviations_are_checked_and_an_xfail_is_strict(monkeypatch):
     )
 
     for bad in (
-        Deviation(("native",), "Rprop", {"maximize": "never"}, "r", "m"),  # covers no case
-        Deviation(("native",), "Rprop", {"nesterov": True}, "r", "m"),  # not an Rprop option
-        Deviation(("native",), "Rprop", {}, "r", "m", tolerance={"rtol": 0.0, "atol": 1e-5}),  # tighter
+        Deviation(("fast:numba",), "Rprop", {"maximize": "never"}, "r", "m"),  # covers no case
+        Deviation(("fast:numba",), "Rprop", {"nesterov": True}, "r", "m"),  # not an Rprop option
+        Deviation(("fast:numba",), "Rprop", {}, "r", "m", tolerance={"rtol": 0.0, "atol": 1e-5}),  # tighter
         Deviation(("fast",), "Rprop", {}, "r", "m"),  # not a backend of the grid
     ):
         monkeypatch.setattr(deviations, "DEVIATIONS", (bad,))

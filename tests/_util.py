@@ -19,7 +19,8 @@ from roundpipe.optim.spec import SPECS
 
 # All eleven optimizers, from the spec registry (the one list of names)
 OPTIMIZER_NAMES = list(SPECS)
-BACKENDS = ["fast", "reference"]  # the public backend names
+# every engine: "fast" is its default engine, numba (or the torch engine where numba fails)
+BACKENDS = ["fast", "fast:torch", "fast:numexpr", "reference"]
 ENV_VAR = "ROUNDPIPE_OPTIM_BACKEND"
 ENGINE_ENV_VAR = "ROUNDPIPE_OPTIM_ENGINE"
 THREADS_ENV_VAR = "ROUNDPIPE_OPTIM_NUM_THREADS"

@@ -1,8 +1,7 @@
 """Fixtures shared by the unit tests.
 
-``name`` runs a test for each of the eleven optimizers. ``backend`` runs it on the reference
-backend and on the fast backend with each of its engines pinned (``ROUNDPIPE_OPTIM_ENGINE``),
-so that both engines are covered whichever one calibration would pick on this machine; the
+``name`` runs a test for each of the eleven optimizers. ``backend`` runs it on every engine:
+``fast`` (its default, numba), ``fast:torch``, ``fast:numexpr`` and ``reference``; the
 fixture's value is the backend name to pass as ``backend=``.
 
 Every test starts from the same roundpipe state, whatever ran before it in the process (and
@@ -32,8 +31,6 @@ import roundpipe.optim.threads as rp_threads
 from roundpipe.optim import backends as rp_backends
 from tests._util import BACKENDS, ENGINE_ENV_VAR, OPTIMIZER_NAMES
 
-# (backend, fast engine): every public backend, the fast one once per engine
-BACKEND_PARAMS = [(b, e) for b in BACKENDS for e in (("numexpr", "torch") if b == "fast" else (None,))]
 # the environment variables that select what roundpipe.optim runs (backend, engine, threads)
 ROUNDPIPE_ENV_PREFIX = "ROUNDPIPE_OPTIM_"
 
@@ -63,18 +60,12 @@ def name(request):
     return request.param
 
 
-@pytest.fixture(
-    params=BACKEND_PARAMS,
-    ids=[f"{b}-{e}" if e else b for b, e in BACKEND_PARAMS],
-)
-def backend(request, monkeypatch):
-    name, engine = request.param
-    if engine is not None:
-        monkeypatch.setenv(ENGINE_ENV_VAR, engine)
-    return name
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
 
 
-@pytest.fixture(params=["numexpr", "torch"])
+@pytest.fixture(params=["numba", "numexpr", "torch"])
 def engine(request, monkeypatch):
     """Pins the fast backend's engine."""
     monkeypatch.setenv(ENGINE_ENV_VAR, request.param)

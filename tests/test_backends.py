@@ -80,7 +80,12 @@ def _by_hand(t, sc):
 
 
 # (label, backend, fast engine)
-ALL_BACKENDS = (("reference", "reference", None), ("numexpr", "fast", "numexpr"), ("torch", "fast", "torch"))
+ALL_BACKENDS = (
+    ("reference", "reference", None),
+    ("numba", "fast", "numba"),
+    ("numexpr", "fast", "numexpr"),
+    ("torch", "fast", "torch"),
+)
 
 
 def _run(backend_name, prog, tensors, scalars):
@@ -413,52 +418,16 @@ def test_scalars_are_applied_as_float32(backend):
     np.testing.assert_array_equal(t["param"].numpy(), as_f32)
 
 
-def test_default_engine_is_torch(monkeypatch):
-    """Without ROUNDPIPE_OPTIM_ENGINE the fast backend runs the torch engine (reproducible)."""
+def test_default_engine_is_numba(monkeypatch):
+    """Without ROUNDPIPE_OPTIM_ENGINE the fast backend runs the numba engine; a named engine
+    is that engine; a bad setting is rejected before anything runs."""
     monkeypatch.delenv(fast.ENGINE_ENV_VAR, raising=False)
     prog = _every_function_program()
-    sc = dict(SCALARS, w=0.3, tiny=1e-3)
-    variant = numexpr_engine.lerp_variant(sc, numexpr_engine.lerp_weights(prog))
-    assert fast.FastBackend().engine(prog, variant, 1) == "torch"
-    assert backends.get("fast:numexpr").engine(prog, variant, 1) == "numexpr"
-    assert backends.get("fast:torch").engine(prog, variant, 1) == "torch"
-
-
-def test_auto_engine_is_measured_once_per_machine_and_remembered(monkeypatch, tmp_path):
-    """With ROUNDPIPE_OPTIM_ENGINE=auto the fast backend times both engines once per program
-    variant and thread count, and remembers the choice on disk: a new process (here: the
-    in-memory memo cleared) takes the same engine without measuring; a bad setting is rejected."""
-    monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fast, "_choices", {})
-    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "auto")
-    prog = _every_function_program()
-    sc = dict(SCALARS, w=0.3, tiny=1e-3)
-    be = fast.FastBackend()
-    variant = numexpr_engine.lerp_variant(sc, numexpr_engine.lerp_weights(prog))
-    choice = be.engine(prog, variant, 1)
-    assert choice in ("numexpr", "torch")
-    assert (tmp_path / "engines.json").exists()
-    calls = []
-    monkeypatch.setattr(fast, "_calibrate", lambda *a: calls.append(a) or "other")
-    assert be.engine(prog, variant, 1) == choice
-    monkeypatch.setattr(fast, "_choices", {})  # as in a new process
-    assert be.engine(prog, variant, 1) == choice
-    assert not calls, "calibrated twice"
-    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "numexpr")
-    assert be.engine(prog, variant, 1) == "numexpr"
+    assert fast.FastBackend().engine(prog) == "numba"
+    assert backends.get("fast:numexpr").engine(prog) == "numexpr"
+    assert backends.get("fast:torch").engine(prog) == "torch"
+    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "torch")
+    assert fast.FastBackend().engine(prog) == "torch"
     monkeypatch.setenv(fast.ENGINE_ENV_VAR, "gpu")
     with pytest.raises(ValueError, match="gpu"):
-        be.engine(prog, variant, 1)
-
-
-def test_auto_engine_results(monkeypatch, tmp_path):
-    # measured here, not taken from a choice an earlier test or run left in memory or on disk
-    monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fast, "_choices", {})
-    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "auto")
-    prog = _every_function_program()
-    sc = dict(SCALARS, w=0.6, tiny=1e-3)
-    t = _inputs(4)
-    expected = _by_hand(t, sc)
-    _run("fast", prog, t, sc)
-    _assert_matches(t, expected)
+        fast.FastBackend().check_settings()

@@ -13,7 +13,7 @@ torch.optim's float32 run; the test asserts that the median over the problems of
 
 Why that holds on any x86-64 CPU, and why it can still fail:
 
-* The default engines (``fast`` with the torch engine, ``reference``) are bit-for-bit torch's,
+* The bit-for-bit engines (``fast``: numba, ``fast:torch``, ``reference``) are torch's,
   so every ratio is exactly 1. The numexpr engine (opt-in) rounds an ulp differently here and
   there (no FMA; README's known deviations), so its ratios scatter around 1. Rounding
   differences depend on the CPU (torch picks its kernels by CPU capability), so no single
@@ -136,13 +136,12 @@ def _ratios(ours, theirs):
 def test_long_run_is_as_close_to_float64_as_torch(
     name, backend, problems, float64_runs, torch_float32_distances
 ):
-    engine = os.environ.get("ROUNDPIPE_OPTIM_ENGINE") or "torch"
     make = lambda params: getattr(ro, name)(params, backend=backend, **KWARGS[name])  # noqa: E731
     ours = _distances(_trajectory(make, torch.float32, problems), float64_runs[name])
     theirs = torch_float32_distances[name]
     ratios = _ratios(ours, theirs)
     median = statistics.median(ratios)
-    label = f"{backend}-{engine}" if backend == "fast" else backend
+    label = backend
     RESULTS[(name, label)] = {
         "median_ratio": median,
         "ratios": ratios,
@@ -154,6 +153,8 @@ def test_long_run_is_as_close_to_float64_as_torch(
         f"{max(ratios):.3f}); median distance from float64 {ours.median():.3e}, "
         f"torch float32 {theirs.median():.3e}"
     )
+    if backend in ("fast", "fast:torch", "reference"):  # bit for bit torch's trajectory
+        assert ratios == [1.0] * len(ratios), f"{name} {label}: {ratios}"
     assert median <= MARGIN, (
         f"{name} {label}: median over {PROBLEMS} problems of (distance from float64) / (torch "
         f"float32's) is {median:.3g} > {MARGIN}; per problem: {', '.join(f'{r:.3g}' for r in ratios)}"

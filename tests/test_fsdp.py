@@ -6,7 +6,7 @@ Two processes on gloo (CPU, loopback) train a small model whose shards are uneve
 ``CPUOffloadPolicy(pin_memory=False)``. Its parameters, their gradients and the optimizer
 state are ``DTensor``s. Every optimizer (the hyperparameters of ``RICH_KWARGS``, which switch
 their state on, plus SGD without momentum, which has no state) runs on every backend
-(``fast`` with each engine; ``native`` when numba is installed) in lockstep with a baseline
+(``fast`` with each engine) in lockstep with a baseline
 on an identical copy (same initial values, same batches), in two param groups (the
 LayerNorm's with its own lr).
 
@@ -50,7 +50,6 @@ torch's own DTensor steps for the other ten. Both must report no failures.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import socket
 import sys
@@ -76,9 +75,8 @@ GLOO_TIMEOUT = datetime.timedelta(seconds=30)
 CASES = [(name, name, dict(RICH_KWARGS[name])) for name in OPTIMIZER_NAMES] + [
     ("SGD-no-momentum", "SGD", dict(lr=0.01)),
 ]
-HAS_NUMBA = importlib.util.find_spec("numba") is not None
 # "fast" runs its default engine (the environment's choice is cleared); "fast:numexpr" the other
-BACKENDS = ["reference", "fast", "fast:numexpr"] + (["native"] if HAS_NUMBA else [])
+BACKENDS = ["reference", "fast", "fast:torch", "fast:numexpr"]
 OFFLOAD = [False, True]
 ENV = {
     "OMP_NUM_THREADS": "1",

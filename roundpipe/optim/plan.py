@@ -461,7 +461,10 @@ def build(opt, spec, backend=None):
                 if fresh:
                     st = {}
                 before = len(st)
-                init_flags.append(spec.init_state(group, p, st) or {})
+                flags = spec.init_state(group, p, st) or {}
+                if p.is_complex():  # torch rounds some ops differently on complex tensors
+                    flags = {**flags, "complex": True}
+                init_flags.append(flags)
                 if len(st) != before:
                     if fresh:
                         state[p] = st  # torch creates state only where it stores something

@@ -117,6 +117,8 @@ class FastBackend:
         self._numba_error = None  # why it cannot be made (an ImportError)
         self._failed: dict = {}  # program -> why its kernel cannot be compiled
         self._warned: set = set()
+        if engine == "numba":
+            self.numba_engine()  # without numba, fast:numba raises ImportError when chosen
 
     def check_settings(self):
         """Raise now, before a step modifies anything, if the environment's settings are bad."""

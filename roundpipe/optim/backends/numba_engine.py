@@ -72,6 +72,7 @@ Everything that can fail (numba's import, code generation, compilation, the tabl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -685,31 +686,27 @@ class NumbaEngine:
             return _nothing
         nthreads = self._threads(table.total)
         calls = []
-        for variant, parts in by_variant.items():
-            try:
-                kernel = self.kernel(program, variant)
-                bucket, sv = self._rows(kernel, parts, len(params), weights, cache)
-                dispatcher = kernel.ensure_compiled(nthreads > 1, table.ptrs, sv)
-            except Exception as err:  # not KeyboardInterrupt: that propagates as itself
-                raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
-            bounds, items = table.partition(nthreads, bucket)
-            calls.append((dispatcher, bounds, items, bucket, sv))
+        with _keep_torch_threads():  # a first parallel call starts numba's pool
+            for variant, parts in by_variant.items():
+                try:
+                    kernel = self.kernel(program, variant)
+                    bucket, sv = self._rows(kernel, parts, len(params), weights, cache)
+                    dispatcher = kernel.ensure_compiled(nthreads > 1, table.ptrs, sv)
+                except Exception as err:  # not KeyboardInterrupt: that propagates as itself
+                    raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
+                bounds, items = table.partition(nthreads, bucket)
+                calls.append((dispatcher, bounds, items, bucket, sv))
         ptrs, sqrt_fn = table.ptrs, self.sqrt_fn
 
         def launch():
-            # numba's OpenMP layer, when it starts its pool, sets the OpenMP thread count of the
-            # process, which (with torch's libgomp loaded first) is torch's intra-op count: put
-            # torch's back as it was, so a step never changes the caller's settings
-            before = torch.get_num_threads()
             try:
-                if nthreads > 1 and self._numba.get_num_threads() != nthreads:
-                    self._numba.set_num_threads(nthreads)  # thread-local in numba
-                for dispatcher, bounds, items, bucket, sv in calls:
-                    dispatcher(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn)
+                with _keep_torch_threads():
+                    if nthreads > 1 and self._numba.get_num_threads() != nthreads:
+                        self._numba.set_num_threads(nthreads)  # thread-local in numba
+                    for dispatcher, bounds, items, bucket, sv in calls:
+                        dispatcher(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn)
             finally:
                 table.release_volatile()
-                if torch.get_num_threads() != before:
-                    torch.set_num_threads(before)
 
         return launch
 
@@ -739,6 +736,19 @@ class NumbaEngine:
 
 def _nothing():
     pass
+
+
+@contextlib.contextmanager
+def _keep_torch_threads():
+    """numba's OpenMP layer, when it starts its pool, sets the OpenMP thread count of the
+    process, which (with torch's libgomp loaded first) is torch's intra-op count: put torch's
+    back as it was, so a step never changes the caller's settings."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 class _Table:

@@ -2,9 +2,9 @@
 
 import torch
 
-from .blocks import gradient
+from .blocks import add_on_complex, gradient
 from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
-from .ir import add, addcmul, sqrt
+from .ir import addcmul, sqrt
 
 
 def init_state(group, p, state):
@@ -44,7 +44,7 @@ def program(o, b):
     std = b.let("std", sqrt(square_avg + s.eps))
     delta = b.let("delta", sqrt(acc_delta + s.eps) / std * grad)
     b.assign(acc_delta, addcmul(acc_delta * s.rho, delta, delta, value=s.one_minus_rho))
-    b.assign(param, add(param, delta, alpha=s.neg_lr))
+    b.assign(param, add_on_complex(o, param, delta, s.neg_lr))  # after view_as_complex
 
 
 ADADELTA = OptimizerSpec("Adadelta", torch.optim.Adadelta, init_state, options, inputs, scalars, program)

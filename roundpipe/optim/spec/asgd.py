@@ -53,7 +53,7 @@ def scalars(group, state):
 def program(o, b):
     s = b.s
     param, ax = b.tensor("param"), b.tensor("ax")
-    grad = gradient(o, b)
+    grad = gradient(o, b, complex_decay=False)
     b.assign(param, param * s.decay)
     b.assign(param, add(param, grad, alpha=s.neg_eta))
     if o.average:

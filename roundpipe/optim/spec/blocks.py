@@ -2,6 +2,7 @@
 
 Each is the same few lines of torch's ``_single_tensor_*`` functions, in the same order:
 
+* ``add_on_complex``: ``add`` (with alpha) as torch rounds it on complex tensors;
 * ``gradient``: ``grad = -grad`` if ``maximize``, then L2 weight decay
   ``grad = grad.add(param, alpha=weight_decay)``, or, with ``decoupled_weight_decay``
   (AdamW, NAdamW, RAdamW), ``param.mul_(1 - lr * weight_decay)``. Options without
@@ -35,8 +36,10 @@ def decay_options(group):
     }
 
 
-def gradient(o, b):
-    """The gradient the update uses (a let when it differs from ``grad``)."""
+def gradient(o, b, complex_decay=True):
+    """The gradient the update uses (a let when it differs from ``grad``). ``complex_decay``:
+    torch adds the L2 weight decay before it takes ``view_as_real`` of a complex parameter
+    (every optimizer but ASGD, NAdam and RAdam), see ``add_on_complex``."""
     param, grad = b.tensor("param"), b.tensor("grad")
     if o.maximize:
         grad = b.let("grad", -grad)
@@ -44,8 +47,20 @@ def gradient(o, b):
         if o.get("decoupled_weight_decay"):
             b.assign(param, param * b.s.weight_decay_factor)
         else:
-            grad = b.let("grad", add(grad, param, alpha=b.s.weight_decay))
+            decay = add_on_complex(o, grad, param, b.s.weight_decay) if complex_decay else None
+            grad = b.let("grad", decay or add(grad, param, alpha=b.s.weight_decay))
     return grad
+
+
+def add_on_complex(o, a, x, alpha):
+    """``a.add(x, alpha=alpha)`` where torch runs it on the complex tensors of a complex
+    parameter (not on their ``view_as_real``). There it is a complex multiply by ``alpha + 0j``
+    and an add, rounded twice: torch's complex kernels fuse nothing, where its real ones
+    compute ``a + alpha * x`` with one fused multiply-add. ``o.complex`` is set by the step
+    plan for complex parameters, which get programs of their own."""
+    if o.get("complex"):
+        return a + alpha * x
+    return add(a, x, alpha=alpha)
 
 
 def weight_decay_scalars(group, lr):

@@ -48,7 +48,7 @@ def scalars(group, state):
 
 def program(o, b):
     s, param = b.s, b.tensor("param")
-    grad = blocks.gradient(o, b)
+    grad = blocks.gradient(o, b, complex_decay=False)
     exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
     denom = b.let("denom", sqrt(exp_avg_sq / s.bias_correction2) + s.eps)
     b.assign(param, addcdiv(param, grad, denom, value=s.grad_coef))

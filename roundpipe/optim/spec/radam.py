@@ -49,7 +49,7 @@ def scalars(group, state):
 
 def program(o, b):
     s, param = b.s, b.tensor("param")
-    grad = blocks.gradient(o, b)
+    grad = blocks.gradient(o, b, complex_decay=False)
     exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
     bias_corrected_exp_avg = exp_avg / s.bias_correction1
     if o.rectify:

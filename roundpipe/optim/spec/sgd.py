@@ -7,9 +7,8 @@ selects that program for the step.
 
 import torch
 
-from .blocks import gradient
+from .blocks import add_on_complex, gradient
 from .core import OptimizerSpec, to_scalar, zeros_like
-from .ir import add
 
 
 def init_state(group, p, state):
@@ -54,12 +53,13 @@ def program(o, b):
         if o.first:
             b.assign(buf, grad)
         else:
-            b.assign(buf, add(buf * s.momentum, grad, alpha=s.one_minus_dampening))
+            b.assign(buf, add_on_complex(o, buf * s.momentum, grad, s.one_minus_dampening))
         if o.nesterov:
-            grad = b.let("grad", add(grad, buf, alpha=s.momentum))
+            grad = b.let("grad", add_on_complex(o, grad, buf, s.momentum))
         else:
             grad = buf
-    b.assign(param, add(param, grad, alpha=s.neg_lr))
+    # torch's SGD steps complex parameters as complex tensors (no view_as_real)
+    b.assign(param, add_on_complex(o, param, grad, s.neg_lr))
 
 
 SGD = OptimizerSpec(

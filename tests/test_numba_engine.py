@@ -1,11 +1,11 @@
-"""The ``native`` backend (``backends/native.py``): spec programs compiled by numba into one loop.
+"""The numba engine (``backends/numba_engine.py``, ``backend="fast"``'s default): spec programs
+compiled by numba into one loop.
 
 * every optimizer, with a few option combinations, over 12 steps on float32 and complex64
   parameters of every size class (empty, one element, batched small ones, large ones stepped
-  directly): close to ``torch.optim``'s for-loop, and bit for bit equal to the ``reference``
-  backend once that backend's ``sqrt`` is the correctly rounded one (torch's CPU ``sqrt`` is
-  MKL's, off by one ulp in about a fifth of the elements on the machine this was written on;
-  everything else native computes is torch's rounding, fused multiply-adds included);
+  directly): bit for bit ``torch.optim``'s for-loop and the ``reference`` backend (torch's
+  rounding, fused multiply-adds and torch's own sqrt routine included), where the engine's
+  probes say it models this torch exactly (``exact``);
 * a program that uses every IR function, with NaN, inf and signed zeros: bit for bit equal to
   the reference backend, and, compiled without fused multiply-adds, to the numexpr engine (the
   same formulas; numba contracts nothing on its own);
@@ -27,18 +27,16 @@ import token
 import tokenize
 import warnings
 
+import numba  # noqa: E402  (a dependency of roundpipe)
 import numpy as np
 import pytest
 import torch
 
-numba = pytest.importorskip(
-    "numba", reason='the native backend needs numba (optional): pip install "roundpipe[native]"'
-)
-
 import roundpipe.optim  # noqa: E402
 from roundpipe.optim import backends  # noqa: E402
-from roundpipe.optim.backends import fast, native, numexpr_engine, torch_ops  # noqa: E402
+from roundpipe.optim.backends import fast, numba_engine, numexpr_engine  # noqa: E402
 from roundpipe.optim.spec.ir import (  # noqa: E402
+    Call,
     ProgramBuilder,
     abs_,
     add,
@@ -49,6 +47,7 @@ from roundpipe.optim.spec.ir import (  # noqa: E402
     maximum,
     sign,
     sqrt,
+    walk,
     where,
 )
 from tests._util import OPTIMIZER_NAMES, RICH_KWARGS, rp_class, torch_class  # noqa: E402
@@ -57,7 +56,7 @@ from tests._util import OPTIMIZER_NAMES, RICH_KWARGS, rp_class, torch_class  # n
 @pytest.fixture(scope="module", autouse=True)
 def _cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(native.CACHE_ENV_VAR, str(tmp_path_factory.mktemp("roundpipe-cache")))
+        mp.setenv(numba_engine.CACHE_ENV_VAR, str(tmp_path_factory.mktemp("roundpipe-cache")))
         yield
 
 
@@ -67,15 +66,15 @@ def _correct_sqrt(x, out=None):
     return r if out is None else out.copy_(r)
 
 
-@pytest.fixture
-def exact_reference(monkeypatch):
-    """The reference backend with a correctly rounded sqrt: what native must equal bit for bit."""
-    monkeypatch.setitem(torch_ops.FUNCTIONS, "sqrt", _correct_sqrt)
+def _engine():
+    """The numba engine of backend="fast:numba"."""
+    return backends.get("fast:numba").numba_engine()
 
 
 def _exact():
-    """Whether native models this torch's rounding exactly (it measures it; see torch_fusion)."""
-    return backends.get("native").exact
+    """Whether the engine models this torch's rounding exactly (it measures it: torch_fusion,
+    torch_sqrt)."""
+    return _engine().exact
 
 
 def assert_bits(a, b, msg=""):
@@ -85,7 +84,7 @@ def assert_bits(a, b, msg=""):
         return  # the common case, quickly (torch.equal is False where there are NaNs)
     if _exact():
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{msg}: {m}")
-    else:  # a torch that rounds in a way native does not model: only close
+    else:  # a torch that rounds in a way the engine does not model: only close
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True, msg=lambda m: f"{msg}: {m}")
 
 
@@ -130,16 +129,14 @@ def _state_tensors(opt, params):
 
 
 @pytest.mark.parametrize(("name", "combo"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
-def test_optimizer_matches_torch_and_reference(name, combo, exact_reference, monkeypatch):
+def test_optimizer_matches_torch_and_reference(name, combo, monkeypatch):
     kwargs = COMBOS[name][combo]
     if combo == 1:  # every branch on: the parallel kernels, on 2 threads (else the serial ones)
         monkeypatch.setenv("ROUNDPIPE_OPTIM_NUM_THREADS", "2")
     base = _params(combo)
     runs = {}
-    # the reference backend with a correctly rounded sqrt: equal bit for bit; torch.optim: close
-    # (its sqrt is off by an ulp here and there, which cancellation in RMSprop's centered
-    # variance can raise to a few ulps of the results)
-    for label in ("torch", "native", "reference"):
+    # the reference backend and torch.optim's for-loop: equal bit for bit
+    for label in ("torch", "fast:numba", "reference"):
         params = [torch.nn.Parameter(p.clone()) for p in base]
         if label == "torch":
             opt = torch_class(name)(params, foreach=False, **kwargs)
@@ -152,21 +149,18 @@ def test_optimizer_matches_torch_and_reference(name, combo, exact_reference, mon
             for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
             opt.step()
-        (o_n, p_n), (o_t, p_t), (o_r, p_r) = runs["native"], runs["torch"], runs["reference"]
+        (o_n, p_n), (o_t, p_t), (o_r, p_r) = runs["fast:numba"], runs["torch"], runs["reference"]
         s_n, s_t, s_r = (_state_tensors(o, p) for o, p in ((o_n, p_n), (o_t, p_t), (o_r, p_r)))
         assert [(i, k) for i, k, _ in s_n] == [(i, k) for i, k, _ in s_t] == [(i, k) for i, k, _ in s_r]
         for i, (a, c) in enumerate(zip(p_n, p_r, strict=True)):
             assert_bits(a, c, f"step {step} param {i} vs reference")
         for (i, k, a), (_, _, c) in zip(s_n, s_r, strict=True):
             assert_bits(a, c, f"step {step} state[{i}][{k!r}] vs reference")
-        if step in (0, STEPS // 2, STEPS - 1):  # (assert_close is slow on 64K elements)
-            for i, (a, b) in enumerate(zip(p_n, p_t, strict=True)):
-                torch.testing.assert_close(
-                    a.detach(), b.detach(), **TORCH_TOL, msg=lambda m, i=i: f"param {i}: {m}"
-                )
-            for (i, k, a), (_, _, b) in zip(s_n, s_t, strict=True):
-                torch.testing.assert_close(a, b, **TORCH_TOL, msg=lambda m, i=i, k=k: f"state[{i}][{k}]: {m}")
-    for p, g in zip(runs["native"][1], _grads(STEPS - 1), strict=True):
+        for i, (a, b) in enumerate(zip(p_n, p_t, strict=True)):
+            assert_bits(a, b, f"step {step} param {i} vs torch")
+        for (i, k, a), (_, _, b) in zip(s_n, s_t, strict=True):
+            assert_bits(a, b, f"step {step} state[{i}][{k!r}] vs torch")
+    for p, g in zip(runs["fast:numba"][1], _grads(STEPS - 1), strict=True):
         assert torch.equal(p.grad, g), "grad written"
 
 
@@ -174,7 +168,7 @@ def test_one_element_and_empty_parameters_alone():
     """A single 1-element parameter (stepped directly, not batched) and a lone empty one."""
     for shape in ((1,), (0,), (1, 1)):
         p_n, p_t = torch.nn.Parameter(torch.full(shape, 0.5)), torch.nn.Parameter(torch.full(shape, 0.5))
-        o_n = roundpipe.optim.Adam([p_n], lr=0.1, backend="native")
+        o_n = roundpipe.optim.Adam([p_n], lr=0.1, backend="fast:numba")
         o_t = torch.optim.Adam([p_t], lr=0.1, foreach=False)
         for step in range(3):
             g = torch.full(shape, 0.25 * (step + 1))
@@ -235,40 +229,41 @@ def _run(backend_name, prog, t, sc):
 @pytest.mark.parametrize("nthreads", [1, 2])
 @pytest.mark.parametrize("w", [0.1, 0.9], ids=["lerp-small", "lerp-large"])
 @pytest.mark.parametrize("n", [1, 3, 1000, LARGE])
-def test_every_function_bit_for_bit(w, n, nthreads, exact_reference, monkeypatch):
+def test_every_function_bit_for_bit(w, n, nthreads, monkeypatch):
     monkeypatch.setenv("ROUNDPIPE_OPTIM_NUM_THREADS", str(nthreads))
     prog = _every_function_program()
     sc = dict(SCALARS, w=w, tiny=1e-3)
     base = _inputs(max(n, 40))
     base = {k: v[:n].clone() for k, v in base.items()}
     out = {}
-    for label in ("native", "reference"):
+    for label in ("fast:numba", "reference"):
         t = {k: v.clone() for k, v in base.items()}
         _run(label, prog, t, sc)
         out[label] = t
     for k in INPUTS:
-        assert_bits(out["native"][k], out["reference"][k], k)
-        assert torch.equal(out["native"][k].isnan(), out["reference"][k].isnan()), k
-    assert torch.equal(out["native"]["grad"].view(torch.int32), base["grad"].view(torch.int32))
+        assert_bits(out["fast:numba"][k], out["reference"][k], k)
+        assert torch.equal(out["fast:numba"][k].isnan(), out["reference"][k].isnan()), k
+    assert torch.equal(out["fast:numba"]["grad"].view(torch.int32), base["grad"].view(torch.int32))
 
 
 @pytest.mark.parametrize("w", [0.1, 0.9], ids=["lerp-small", "lerp-large"])
-def test_without_fma_native_is_the_numexpr_engine_bit_for_bit(w):
-    """Compiled with no fused multiply-add, the kernel computes numexpr_engine's formulas in
-    float32 with the same rounding: numba neither contracts nor widens anything by itself."""
+def test_without_fma_and_vml_the_kernel_is_the_numexpr_engine_bit_for_bit(w):
+    """Compiled with no fused multiply-add and run with the correctly rounded sqrt
+    (``sqrt_fn=0``), the kernel computes numexpr_engine's formulas in float32 with the same
+    rounding: numba neither contracts nor widens anything by itself."""
     prog = _every_function_program()
     sc = dict(SCALARS, w=w, tiny=1e-3)
     weights = numexpr_engine.lerp_weights(prog)
     variant = numexpr_engine.lerp_variant(sc, weights)
     env = numexpr_engine.scalar_env(sc, weights)
-    kernel = native.compile_kernel(prog, variant, fused=frozenset())
+    kernel = numba_engine.compile_kernel(prog, variant, fused=frozenset())
     assert "fma(" not in kernel.source.source
     base = _inputs(LARGE)
     t_numexpr = {k: v.clone() for k, v in base.items()}
     numexpr_engine.compile_program(prog, variant).run(t_numexpr, env)
     for nthreads in (1, 2):
         t_native = {k: v.clone() for k, v in base.items()}
-        kernel.run(t_native, env, nthreads=nthreads)
+        kernel.run(t_native, env, nthreads=nthreads, sqrt_fn=0)
         for k in INPUTS:
             torch.testing.assert_close(
                 t_native[k], t_numexpr[k], rtol=0, atol=0, equal_nan=True, msg=f"{k} nthreads={nthreads}"
@@ -278,37 +273,73 @@ def test_without_fma_native_is_the_numexpr_engine_bit_for_bit(w):
 def test_fma_is_used_where_torch_fuses():
     """This torch (vectorized CPU kernels) rounds add-with-alpha, addcmul and lerp once; the
     probe finds that, and the kernels call fma exactly there."""
-    fused, exact = native.torch_fusion()
+    fused, exact = numba_engine.torch_fusion()
     assert exact
     assert fused <= {"add", "addcmul", "lerp"}
-    src = native.kernel_source(
+    src = numba_engine.kernel_source(
         _every_function_program(), (True,), fused=frozenset({"add", "addcmul", "lerp"})
     )
-    # add(alpha=wd), addcmul(value=...), lerp, addcmul(value=1), in each of the two loops
-    assert src.count("fma(") == 2 * 4
-    assert "from roundpipe.optim.backends.native import f32ptr, fma" in src
+    # add(alpha=wd), addcmul(value=...), lerp, addcmul(value=1), in the last pass of each of
+    # the two loops
+    assert sum(_final_pass(src, k).count("fma(") for k in ("kernel_parallel", "kernel_serial")) == 2 * 4
+    assert "from roundpipe.optim.backends.numba_engine import f32ptr, fma, call_sqrt" in src
+
+
+def _kernel_lines(src, name):
+    body = src.split(f"def {name}(", 1)[1]
+    return body.split("\ndef ", 1)[0].splitlines()
+
+
+def _passes(src, name):
+    """The element loops of a kernel, as lists of stripped lines (one per pass)."""
+    passes, current, depth = [], None, 0
+    for line in _kernel_lines(src, name):
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip())
+        if stripped.startswith("for i in range(m"):
+            current, depth = [], indent
+            passes.append(current)
+        elif current is not None and stripped and indent > depth:
+            current.append(stripped)
+        else:
+            current = None
+    return passes
+
+
+def _final_pass(src, name):
+    return "\n".join(_passes(src, name)[-1])
 
 
 def test_generated_source_reads_once_writes_once_and_has_no_literals():
+    """One parallel region; the last pass over a block reads each input once and writes each
+    target once, stores last; the passes before it (one per sqrt) store nothing but the
+    sqrt's argument in its block buffer."""
     prog = _every_function_program()
-    ks = native.generate(prog, (False,), fused=frozenset({"add"}))
+    ks = numba_engine.generate(prog, (False,), fused=frozenset({"add"}))
     par, ser = ks.source.split("def kernel_parallel(", 1)[1].split("def kernel_serial(")
     assert par.splitlines()[1].strip() == "for w in prange(nthreads):"  # one parallel region
     assert ser.splitlines()[1].strip() == "for w in range(nthreads):"
     assert par.splitlines()[2:] == ser.splitlines()[2:] + ["", ""]  # the same loop body
-    lines = [ln.strip() for ln in ser.splitlines()[2:] if ln.strip()]
+    passes = _passes(ks.source, "kernel_serial")
+    n_sqrt = sum(
+        isinstance(node, Call) and node.fn == "sqrt" for st in prog.statements for node in walk(st.expr)
+    )
+    assert n_sqrt == 1 and len(passes) == 1 + n_sqrt + 1  # argument pass, sqrt (fallback loop), last
+    lines = passes[-1]
     for i, name in enumerate(prog.tensors):
         array = f"t{i}_{name}"
-        reads = [ln for ln in lines if ln.endswith(f"= {array}[i]")]
-        writes = [ln for ln in lines if ln.startswith(f"{array}[i] =")]
-        binds = [ln for ln in lines if ln.startswith(f"{array} = carray(")]
-        assert len(binds) == 1, name
-        assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(writes) + 1, name
+        reads = [ln for ln in lines if ln.endswith(f"= {array}[ix]")]
+        writes = [ln for ln in lines if ln.startswith(f"{array}[ix] =")]
+        assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(writes), name
         assert len(writes) == (1 if name in prog.targets else 0), name
-    stores = [ln for ln in lines if "[i] =" in ln]
+        binds = [ln for ln in ser.splitlines() if ln.strip().startswith(f"{array} = carray(")]
+        assert len(binds) == 1, name
+    stores = [ln for ln in lines if "[ix] =" in ln]
     assert lines[-len(prog.targets) :] == stores  # stores last
+    for earlier in passes[:-1]:
+        assert not any(ln.startswith("t") and "[ix] =" in ln for ln in earlier)
     # numba types a Python float literal as float64: every float is a float32 read from sv; the
-    # only literals are integer indices
+    # only literals are integers (indices, the block size)
     numbers = [
         t.string for t in tokenize.generate_tokens(io.StringIO(ks.source).readline) if t.type == token.NUMBER
     ]
@@ -316,10 +347,36 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
     assert ks.consts and all(type(c) is np.float32 for c in ks.consts)
 
 
+def test_a_program_without_sqrt_is_one_pass():
+    b = ProgramBuilder(("param", "grad"))
+    b.assign(b.tensor("param"), add(b.tensor("param"), b.tensor("grad"), alpha=b.s.neg_lr))
+    src = numba_engine.generate(b.build(), (), fused=frozenset()).source
+    (only,) = _passes(src, "kernel_serial")
+    assert "t0_param[i] = v0_param_1" in only and "call_sqrt" not in src
+
+
+def test_sqrt_is_torchs_routine():
+    """The probe picks the routine torch's sqrt runs (on x86-64 MKL builds, vmsSqrt), and the
+    kernels' sqrt equals torch.sqrt bit for bit, blocks and remainders included."""
+    address, what, exact = numba_engine.torch_sqrt()
+    assert exact, what
+    assert bool(address) == ("vmsSqrt" in what)
+    b = ProgramBuilder(("param", "grad"))
+    b.assign(b.tensor("param"), sqrt(b.tensor("grad")) + b.tensor("param") * b.s.zero)
+    kernel = numba_engine.compile_kernel(b.build(), ())
+    x = numba_engine._probe_values()[: 3 * numba_engine.SQRT_BLOCK + 7]
+    out = torch.zeros_like(x)
+    kernel.run({"param": out, "grad": x}, {"s_zero": np.float32(0)})
+    want = torch.sqrt(x)
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    assert torch.equal(out[ok].view(torch.int32), want[ok].view(torch.int32))
+
+
 def test_kernel_types_are_float32():
     prog = _every_function_program()
-    k = backends.get("native").kernel(prog, (True,))
-    t = _inputs(native.PARALLEL_MIN_NUMEL)
+    k = _engine().kernel(prog, (True,))
+    t = _inputs(numba_engine.PARALLEL_MIN_NUMEL)
     sc = dict(SCALARS, w=0.1, tiny=1e-3)
     for nthreads in (1, 2):
         k.run(t, numexpr_engine.scalar_env(sc, numexpr_engine.lerp_weights(prog)), nthreads=nthreads)
@@ -336,7 +393,7 @@ def test_work_is_split_evenly_and_small_steps_run_serially(monkeypatch):
     runs fewer threads (the serial loop when that is one)."""
     sizes = [0, 1, 5, 1000, 70000, 33, 100000, 17]
     for nthreads in (1, 2, 3, 8):
-        bounds, items = native.partition(sizes, nthreads)
+        bounds, items = numba_engine.partition(sizes, nthreads)
         assert len(bounds) == nthreads + 1 and bounds[0] == 0 and bounds[-1] == len(items)
         covered = {}
         for j, lo, hi in items.tolist():
@@ -351,12 +408,12 @@ def test_work_is_split_evenly_and_small_steps_run_serially(monkeypatch):
             sum(items[it, 2] - items[it, 1] for it in range(bounds[w], bounds[w + 1]))
             for w in range(nthreads)
         ]
-        assert max(shares[:-1] or [0]) - min(shares[:-1] or [0]) <= native.ALIGN, shares
-    be = backends.get("native")
+        assert max(shares[:-1] or [0]) - min(shares[:-1] or [0]) <= numba_engine.ALIGN, shares
+    be = _engine()
     monkeypatch.setattr(roundpipe.optim.threads, "_num_threads", 2)
-    assert be._threads(2 * native.PARALLEL_MIN_NUMEL - 1) == 1
+    assert be._threads(2 * numba_engine.PARALLEL_MIN_NUMEL - 1) == 1
     if numba.config.NUMBA_NUM_THREADS >= 2:
-        assert be._threads(2 * native.PARALLEL_MIN_NUMEL) == 2
+        assert be._threads(2 * numba_engine.PARALLEL_MIN_NUMEL) == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,14 +436,14 @@ def test_threads_follow_roundpipe_setting_and_results_do_not_change(nthreads, mo
     for n in (1, nthreads):
         roundpipe.optim.set_num_threads(n)
         p = torch.nn.Parameter(base.clone())
-        opt = roundpipe.optim.AdamW([p], lr=0.01, backend="native")
+        opt = roundpipe.optim.AdamW([p], lr=0.01, backend="fast:numba")
         for gr in grads:
             p.grad = gr.clone()
             opt.step()
             if n > 1:
                 assert numba.get_num_threads() == min(n, numba.config.NUMBA_NUM_THREADS)
         out[n] = p.detach().clone()
-    kernel = backends.get("native").kernel(opt_program(opt), (True,))  # betas[0] = 0.9: a small lerp
+    kernel = _engine().kernel(opt_program(opt), (True,))  # betas[0] = 0.9: a small lerp
     assert kernel.serial.signatures, "one thread: the serial kernel"
     if nthreads > 1 and numba.config.NUMBA_NUM_THREADS > 1:
         assert kernel.parallel.signatures, "two threads: the parallel kernel"
@@ -402,7 +459,7 @@ def test_forked_child_steps_on_one_thread(tmp_path, monkeypatch):
     roundpipe.optim.set_num_threads(2)
     g = torch.Generator().manual_seed(4)
     p = torch.nn.Parameter(torch.randn(LARGE, generator=g))
-    opt = roundpipe.optim.Adam([p], lr=0.01, backend="native")
+    opt = roundpipe.optim.Adam([p], lr=0.01, backend="fast:numba")
     grads = [torch.randn(LARGE, generator=g) for _ in range(2)]
     p.grad = grads[0]
     opt.step()
@@ -438,14 +495,14 @@ _LATENCY_SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (100, 1000, 70000)]
-    opt = roundpipe.optim.Adam(params, lr=0.01, weight_decay=0.1, backend="native")
+    opt = roundpipe.optim.Adam(params, lr=0.01, weight_decay=0.1, backend="fast:numba")
     for p in params:
         p.grad = torch.randn(p.shape)
     t0 = time.perf_counter()
     opt.step()
     latency = time.perf_counter() - t0
-    from roundpipe.optim.backends import native
-    kernels = native._kernels.values()
+    from roundpipe.optim.backends import numba_engine
+    kernels = numba_engine._kernels.values()
     print(json.dumps({
         "latency": latency,
         "hits": sum(sum(d.stats.cache_hits.values()) for k in kernels for d in k.dispatchers),
@@ -468,7 +525,7 @@ def _first_step(env):
 
 def test_second_process_compiles_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_")}
-    env.update({native.CACHE_ENV_VAR: str(tmp_path), "ROUNDPIPE_OPTIM_NUM_THREADS": "1"})
+    env.update({numba_engine.CACHE_ENV_VAR: str(tmp_path), "ROUNDPIPE_OPTIM_NUM_THREADS": "1"})
     cold = _first_step(env)
     warm = _first_step(env)
     assert cold["on_disk"] == warm["on_disk"] == [True]
@@ -480,21 +537,21 @@ def test_second_process_compiles_nothing(tmp_path):
     assert cold["torch_threads"] == warm["torch_threads"] == 1
     # (no timing assertion: warm < cold held here, but wall time on a shared machine is noise;
     # the cache hits and misses above say that nothing was compiled)
-    sources = list((tmp_path / "native").glob("roundpipe_native_*.py"))
+    sources = list((tmp_path / "numba").glob("roundpipe_numba_*.py"))
     assert len(sources) == 1
-    cached = {p.suffix for p in (tmp_path / "native" / "__pycache__").iterdir()}
+    cached = {p.suffix for p in (tmp_path / "numba" / "__pycache__").iterdir()}
     assert {".nbi", ".nbc"} <= cached
 
 
 def test_cache_dir_setting(monkeypatch, tmp_path):
-    monkeypatch.setenv(native.CACHE_ENV_VAR, str(tmp_path / "rp"))
-    assert native.cache_dir() == str(tmp_path / "rp" / "native")
-    monkeypatch.delenv(native.CACHE_ENV_VAR)
+    monkeypatch.setenv(numba_engine.CACHE_ENV_VAR, str(tmp_path / "rp"))
+    assert numba_engine.cache_dir() == str(tmp_path / "rp" / "numba")
+    monkeypatch.delenv(numba_engine.CACHE_ENV_VAR)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert native.cache_dir() == str(tmp_path / "xdg" / "roundpipe" / "native")
+    assert numba_engine.cache_dir() == str(tmp_path / "xdg" / "roundpipe" / "numba")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert native.cache_dir() == str(tmp_path / "home" / ".cache" / "roundpipe" / "native")
+    assert numba_engine.cache_dir() == str(tmp_path / "home" / ".cache" / "roundpipe" / "numba")
 
 
 def _tiny_program(k):
@@ -519,10 +576,10 @@ def _read_only_dir(tmp_path, how):
 @pytest.mark.parametrize("how", ["under-a-file", "chmod-555"])
 def test_unwritable_cache_dir_compiles_in_memory_and_warns_once(how, tmp_path, monkeypatch):
     directory = _read_only_dir(tmp_path, how)
-    monkeypatch.setenv(native.CACHE_ENV_VAR, str(directory))
-    monkeypatch.setattr(native, "_modules", {})
-    monkeypatch.setattr(native, "_warned_readonly", False)
-    be = native.NativeBackend()
+    monkeypatch.setenv(numba_engine.CACHE_ENV_VAR, str(directory))
+    monkeypatch.setattr(numba_engine, "_modules", {})
+    monkeypatch.setattr(numba_engine, "_warned_readonly", False)
+    be = numba_engine.NumbaEngine()
     results = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -534,8 +591,8 @@ def test_unwritable_cache_dir_compiles_in_memory_and_warns_once(how, tmp_path, m
             assert not be.kernel(prog, ()).cached_on_disk
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1, messages
-    assert "cannot write its kernel cache" in messages[0] and native.CACHE_ENV_VAR in messages[0]
-    assert str(directory / "native") in messages[0]
+    assert "cannot write its kernel cache" in messages[0] and numba_engine.CACHE_ENV_VAR in messages[0]
+    assert str(directory / "numba") in messages[0]
     assert torch.equal(results[0], torch.full((10,), 2.5)) and torch.equal(results[1], torch.full((10,), 3.5))
     if how == "chmod-555":
         assert list(directory.iterdir()) == []
@@ -546,29 +603,38 @@ def test_unwritable_cache_dir_compiles_in_memory_and_warns_once(how, tmp_path, m
 
 
 def test_registered_and_selectable(monkeypatch):
-    assert "native" in backends.NAMES
-    assert backends.get("native").name == "native"
-    assert isinstance(backends.get("native"), native.NativeBackend)
+    assert {"fast", "fast:numba", "fast:torch", "fast:numexpr", "reference"} == set(backends.NAMES)
     p = torch.nn.Parameter(torch.zeros(3))
-    assert roundpipe.optim.SGD([p], lr=0.1, backend="native").backend == "native"
+    assert roundpipe.optim.SGD([p], lr=0.1, backend="fast:numba").backend == "fast:numba"
+    # roundpipe 0.1's name for it
+    assert roundpipe.optim.SGD([p], lr=0.1, backend="native").backend == "fast:numba"
     monkeypatch.setenv("ROUNDPIPE_OPTIM_BACKEND", "native")
-    assert roundpipe.optim.SGD([p], lr=0.1).backend == "native"
-    # the fast backend's engine setting does not apply to native
-    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "numexpr")
+    assert roundpipe.optim.SGD([p], lr=0.1).backend == "fast:numba"
+    monkeypatch.delenv("ROUNDPIPE_OPTIM_BACKEND")
+    # the default runs the numba engine
     opt = roundpipe.optim.SGD([p], lr=0.1)
+    assert opt.backend == "fast"
     p.grad = torch.ones(3)
     opt.step()
     assert torch.equal(p.detach(), torch.full((3,), -0.1))
+    assert backends.get("fast").engine(opt_program(opt)) == "numba"
+    # the engine setting does not apply to a named engine
+    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "numexpr")
+    assert backends.get("fast:numba").engine() == "numba" and backends.get("fast").engine() == "numexpr"
 
 
-def test_without_numba_construction_raises_import_error(monkeypatch):
+def test_without_numba_fast_numba_raises_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # "import numba" raises ImportError
     monkeypatch.setattr(backends, "_instances", {})
     p = torch.nn.Parameter(torch.zeros(3))
-    with pytest.raises(ImportError, match=r'pip install "roundpipe\[native\]"'):
-        roundpipe.optim.Adam([p], backend="native")
-    monkeypatch.setenv("ROUNDPIPE_OPTIM_BACKEND", "native")
+    with pytest.raises(ImportError, match=r"pip install numba"):
+        roundpipe.optim.Adam([p], backend="fast:numba")
+    monkeypatch.setenv("ROUNDPIPE_OPTIM_ENGINE", "numba")  # chosen by name: no fallback
+    opt = roundpipe.optim.Adam([p])
+    p.grad = torch.ones(3)
     with pytest.raises(ImportError, match="numba"):
-        roundpipe.optim.Adam([p])
-    # the other backends do not need it
-    assert roundpipe.optim.Adam([p], backend="fast").backend == "fast"
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(3)) and not opt.state  # nothing moved
+    monkeypatch.delenv("ROUNDPIPE_OPTIM_ENGINE")
+    # the other backends do not need it (fast falls back: test_fallback.py)
+    assert roundpipe.optim.Adam([p], backend="fast:torch").backend == "fast:torch"

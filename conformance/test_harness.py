@@ -61,7 +61,7 @@ def test_a_declared_tolerance_replaces_the_defaults_and_is_recorded():
     with pytest.raises(AssertionError):
         compare_values(ours, theirs, CTX, "fast:numba")
     dev = Deviation(("fast:numba",), "SGD", {}, "test", "test", tolerance={"rtol": RTOL, "atol": 4e-5})
-    compare_values(ours, theirs, CTX, "native", dev)
+    compare_values(ours, theirs, CTX, "fast:numba", dev)
     assert harness.RECORDER.deviations[(dev.name, "fast:numba")].max_ratio == pytest.approx(3.0, rel=0.02)
 
 

@@ -8,24 +8,21 @@ tensors, from 8M-element matrices down to 512-element biases and LayerNorm weigh
 the same synthetic token stream (a random successor table: each token is followed by one of 4
 tokens, so there is something to learn; nothing is downloaded), each with its own AdamW:
 
-* ``roundpipe <backend>``: ``roundpipe.optim.AdamW``, its default backend (``fast``: the numba
-  engine, or the torch engine where numba cannot run, which the demo says) or ``--backend``;
 * ``torch for-loop``: ``torch.optim.AdamW(foreach=False)``, torch's default for CPU tensors;
-* ``torch fused``: ``torch.optim.AdamW(fused=True)``, torch's fused CPU kernel.
+* ``torch fused``: ``torch.optim.AdamW(fused=True)``, torch's fused CPU kernel;
+* ``roundpipe <backend>``: ``roundpipe.optim.AdamW``, default backend (``fast``) or ``--backend``;
+* ``roundpipe native``: ``backend="native"``, where numba is installed.
 
 Every step, each copy runs its forward and backward pass on the same batch and then its
 optimizer step; the order of the copies rotates from step to step, so machine noise hits them
 alike. The demo times the forward+backward pass and the ``optimizer.step()`` of each copy and
-prints the medians side by side and the speedups of roundpipe over torch's for-loop and over
-torch fused. Then the parameter match: one step of each optimizer from the for-loop copy's
-final parameters, gradients and state, against the for-loop's step (a roundpipe step must pass
-``torch.testing.assert_close``, else the exit status is 1), and how far the trained copies
-ended up from the for-loop copy. Copies whose steps differ in the last bits drift apart during
-training (their gradients differ, and Adam turns tiny gradient differences into steps of about
-lr); torch fused shows the scale. Every number printed is measured in this run.
-
-``build_model`` makes the model (``python -m roundpipe.optim.bench --first-use`` times its first
-step).
+prints the medians side by side and the speedups over torch's for-loop. Then the parameter
+match: one step of each optimizer from the for-loop copy's final parameters, gradients and
+state, against the for-loop's step (a roundpipe step must pass ``torch.testing.assert_close``,
+else the exit status is 1), and how far the trained copies ended up from the for-loop copy.
+Copies whose steps differ in the last bits drift apart during training (their gradients
+differ, and Adam turns tiny gradient differences into steps of about lr); torch fused shows
+the scale. Every number printed is measured in this run.
 """
 
 from __future__ import annotations
@@ -43,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundpipe import optim as rp_optim
-from roundpipe.optim.bench.engine import FallbackWatch, fast_engine
 
 # (vocab, width, layers, heads, context, batch): the default model, and --small's (for tests)
 SIZES = {"default": (16384, 512, 4, 8, 64, 2), "small": (512, 64, 2, 4, 16, 2)}
@@ -92,13 +88,6 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def build_model(size: str = "default", seed: int = 0) -> GPT:
-    """The demo's model (``SIZES[size]``), initialized from ``torch.manual_seed(seed)``."""
-    vocab, d, layers, heads, context, _ = SIZES[size]
-    torch.manual_seed(seed)
-    return GPT(vocab, d, layers, heads, context)
-
-
 def synthetic_tokens(vocab: int, context: int, sequences: int, gen: torch.Generator) -> torch.Tensor:
     """``sequences`` rows of ``context + 1`` tokens from a random successor table."""
     successors = torch.randint(0, vocab, (vocab, SUCCESSORS), generator=gen)
@@ -110,16 +99,24 @@ def synthetic_tokens(vocab: int, context: int, sequences: int, gen: torch.Genera
     return tokens
 
 
-def optimizer_kinds(backend: str | None) -> dict:
-    """name -> a function that makes that AdamW for some parameters, roundpipe's first; the
-    roundpipe name carries the backend actually used (``roundpipe fast``)."""
-    probe = [nn.Parameter(torch.zeros(1))]
-    chosen = rp_optim.AdamW(probe, backend=backend).backend  # None: the environment, else "fast"
-    return {
-        f"roundpipe {chosen}": lambda ps: rp_optim.AdamW(ps, backend=chosen, **HYPER),
+def optimizer_kinds(backend: str | None, with_native: bool) -> dict:
+    """name -> a function that makes that AdamW for some parameters; a roundpipe name carries
+    the backend actually used (``roundpipe fast``)."""
+    kinds = {
         LOOP: torch_for_loop,
         FUSED: lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
     }
+    probe = [nn.Parameter(torch.zeros(1))]
+    chosen = rp_optim.AdamW(probe, backend=backend).backend  # None: the environment, else "fast"
+    kinds[f"roundpipe {chosen}"] = lambda ps: rp_optim.AdamW(ps, backend=chosen, **HYPER)
+    if with_native and chosen != "native":
+        try:
+            rp_optim.AdamW(probe, backend="native")
+        except ImportError as e:
+            print(f"(roundpipe native left out: {e})")
+        else:
+            kinds["roundpipe native"] = lambda ps: rp_optim.AdamW(ps, backend="native", **HYPER)
+    return kinds
 
 
 def one_step_check(make, model: nn.Module, opt) -> tuple[float, str | None]:
@@ -164,6 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--backend", default=None, help="roundpipe backend (default: fast, or the environment's)"
     )
+    parser.add_argument("--no-native", action="store_true", help="leave out the native copy")
     parser.add_argument(
         "--threads", type=int, help="set torch's (and so roundpipe's) and numexpr's thread counts"
     )
@@ -179,15 +177,15 @@ def main(argv=None) -> int:
         numexpr.set_num_threads(args.threads)
 
     try:
-        kinds = optimizer_kinds(args.backend)
-    except (ValueError, ImportError) as e:  # an unknown backend, or fast:numba without numba
+        kinds = optimizer_kinds(args.backend, with_native=not args.no_native)
+    except (ValueError, ImportError) as e:  # an unknown backend, or native without numba
         parser.error(str(e))
 
-    size = "small" if args.small else "default"
-    vocab, d, layers, heads, context, batch = SIZES[size]
-    model = build_model(size, args.seed)
+    vocab, d, layers, heads, context, batch = SIZES["small" if args.small else "default"]
+    torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
     data = synthetic_tokens(vocab, context, 64 * batch, gen)
+    model = GPT(vocab, d, layers, heads, context)
     sizes = sorted(p.numel() for p in model.parameters())
     runs = {}
     for name, make in kinds.items():
@@ -210,25 +208,24 @@ def main(argv=None) -> int:
     step_s = {n: [] for n in names}
     fwd_s = {n: [] for n in names}
     losses: dict = {}
-    with FallbackWatch() as watch:  # fast's fallbacks to its torch engine, if any
-        for step in range(args.steps):
-            idx = torch.randint(0, data.shape[0], (batch,), generator=gen)
-            x, y = data[idx, :-1], data[idx, 1:]
-            for k in range(len(names)):
-                name = names[(step + k) % len(names)]  # rotate who goes first
-                model, opt = runs[name]
-                opt.zero_grad()
-                t0 = time.perf_counter()
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-                loss.backward()
-                t1 = time.perf_counter()
-                opt.step()
-                t2 = time.perf_counter()
-                fwd_s[name].append(t1 - t0)
-                step_s[name].append(t2 - t1)
-                losses[name] = loss.item()
-            if step % 5 == 0 or step == args.steps - 1:
-                print(" | ".join([f"{step:>4}"] + [f"{losses[n]:>{len(n) + 5}.5f}" for n in names]))
+    for step in range(args.steps):
+        idx = torch.randint(0, data.shape[0], (batch,), generator=gen)
+        x, y = data[idx, :-1], data[idx, 1:]
+        for k in range(len(names)):
+            name = names[(step + k) % len(names)]  # rotate who goes first
+            model, opt = runs[name]
+            opt.zero_grad()
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            fwd_s[name].append(t1 - t0)
+            step_s[name].append(t2 - t1)
+            losses[name] = loss.item()
+        if step % 5 == 0 or step == args.steps - 1:
+            print(" | ".join([f"{step:>4}"] + [f"{losses[n]:>{len(n) + 5}.5f}" for n in names]))
 
     loop_model, loop_opt = runs[LOOP]
     med_step = {n: statistics.median(step_s[n]) for n in names}
@@ -246,7 +243,6 @@ def main(argv=None) -> int:
             f"{med_fwd[n] * 1e3:.1f}",
             f"{100 * med_step[n] / (med_step[n] + med_fwd[n]):.0f}%",
             f"{med_step[LOOP] / med_step[n]:.2f}x",
-            f"{med_step[FUSED] / med_step[n]:.2f}x",
             "-" if n == LOOP else equal_or(checks[n][0]),
             "-" if n == LOOP else equal_or(drift[n]),
         ]
@@ -257,42 +253,36 @@ def main(argv=None) -> int:
         "step ms",
         "fwd+bwd ms",
         "step share",
-        "vs for-loop",
-        "vs fused",
+        "step speedup",
         "1-step diff",
         f"diff after {args.steps} steps",
     ]
     print()
     print(table(header, rows))
     print(
-        "vs for-loop, vs fused: that step's median / this step's median; diffs: max |param - torch "
-        "for-loop's|, after one step from the for-loop copy's final state, and between the trained copies"
+        "step speedup: for-loop step / step; diffs: max |param - torch for-loop's|, after one step from the "
+        "for-loop copy's final state, and between the trained copies"
     )
     print()
-    rp_name = names[0]  # the roundpipe copy
-    backend = rp_name.removeprefix("roundpipe ")
-    if backend == "fast":
-        engine = fast_engine(watch.messages)
-        print(f"roundpipe's default backend: {engine['text']}")
-        what = f"roundpipe's default (fast, {engine['engine']} engine)"
-    else:
-        what = f"roundpipe ({backend})"
-    ms = med_step[rp_name] * 1e3
-    for other, desc in ((LOOP, "torch's default (for-loop) AdamW"), (FUSED, "torch fused AdamW")):
-        print(
-            f"speedup of {what} over {desc}: {med_step[other] / med_step[rp_name]:.2f}x "
-            f"(median step {med_step[other] * 1e3:.1f} ms -> {ms:.1f} ms)"
-        )
+    for n in names:
+        if n.startswith("roundpipe"):
+            backend = n.removeprefix("roundpipe ")
+            over_loop, over_fused = med_step[LOOP] / med_step[n], med_step[FUSED] / med_step[n]
+            print(
+                f"speedup of roundpipe ({backend}) over torch's default (for-loop) AdamW: "
+                f"{over_loop:.2f}x (over torch fused: {over_fused:.2f}x)"
+            )
     status = 0
-    diff, mismatch = checks[rp_name]
-    if mismatch:
-        print(
-            f"MISMATCH: one {rp_name} step differs from torch's for-loop step:\n{mismatch}", file=sys.stderr
-        )
-        status = 1
-    else:
-        how = "bitwise equal" if diff == 0 else f"assert_close, max abs difference {diff:.2e}"
-        print(f"{rp_name}: a step matches torch's for-loop step ({how})")
+    for n in names:
+        if not n.startswith("roundpipe"):
+            continue
+        diff, mismatch = checks[n]
+        if mismatch:
+            print(f"MISMATCH: one {n} step differs from torch's for-loop step:\n{mismatch}", file=sys.stderr)
+            status = 1
+        else:
+            how = "bitwise equal" if diff == 0 else f"assert_close, max abs difference {diff:.2e}"
+            print(f"{n}: a step matches torch's for-loop step ({how})")
     if any(drift[n] for n in names):
         print(
             "(copies whose steps differ in the last bits drift apart in training: their gradients differ, "

@@ -60,12 +60,6 @@ def _cache_dir(tmp_path_factory):
         yield
 
 
-def _correct_sqrt(x, out=None):
-    """A correctly rounded float32 sqrt (numpy's), in place of torch's MKL one."""
-    r = torch.from_numpy(np.sqrt(x.detach().numpy()))
-    return r if out is None else out.copy_(r)
-
-
 def _engine():
     """The numba engine of backend="fast:numba"."""
     return backends.get("fast:numba").numba_engine()

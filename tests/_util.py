@@ -179,19 +179,54 @@ def _copy_tensor(t):
     return t if t.device.type == "meta" else t.clone()
 
 
-def _bits_equal(a, b):
-    if a.device.type == "meta" or b.device.type == "meta":
-        return a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-    if a.layout != torch.strided or b.layout != torch.strided:
-        return a.layout == b.layout and torch.equal(a.to_dense(), b.to_dense())
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_mismatch(a, b) -> str | None:
+    """None if ``a`` and ``b`` are equal bit for bit, else where they first differ.
+
+    Floating-point values are compared as integers of their width (an int32 view for float32,
+    so ``-0.0`` differs from ``0.0``), with NaNs matched by position (a NaN's payload and sign
+    are not specified by torch: NaN must meet NaN, any NaN); complex values as their real and
+    imaginary parts. Dtype, shape and layout must agree; meta tensors compare only those.
+    """
     if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = a.contiguous(), b.contiguous()
+        return f"dtype/shape {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    if a.device.type == "meta" or b.device.type == "meta":
+        return None if a.device == b.device else f"device {a.device} vs {b.device}"
+    if a.layout != torch.strided or b.layout != torch.strided:
+        if a.layout != b.layout:
+            return f"layout {a.layout} vs {b.layout}"
+        a, b = a.to_dense(), b.to_dense()
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
     if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
+        a, b = torch.view_as_real(a).reshape(-1), torch.view_as_real(b).reshape(-1)
     if a.numel() == 0:
-        return True
-    return torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+        return None
+    if a.is_floating_point():
+        bits = _INT_OF[a.element_size()]
+        differ = (a.view(bits) != b.view(bits)) & ~(torch.isnan(a) & torch.isnan(b))
+    else:
+        differ = a != b
+    if not bool(differ.any()):
+        return None
+    where = torch.nonzero(differ).flatten()
+    i = int(where[0])
+    return f"{len(where)} of {a.numel()} elements differ in their bits; first at flat index {i}: {a[i].item()!r} vs {b[i].item()!r}"
+
+
+def bits_equal(a, b) -> bool:
+    """``a`` and ``b`` equal bit for bit (``bits_mismatch``)."""
+    return bits_mismatch(a, b) is None
+
+
+def assert_bits_equal(a, b, msg: str = "") -> None:
+    """Raise AssertionError naming ``msg`` unless ``a`` and ``b`` are equal bit for bit."""
+    why = bits_mismatch(a, b)
+    if why is not None:
+        raise AssertionError(f"{msg}: {why}" if msg else why)
+
+
 
 
 def assert_unchanged(opt, snap):
@@ -199,16 +234,16 @@ def assert_unchanged(opt, snap):
     flat = [p for group in opt.param_groups for p in group["params"]]
     assert len(flat) == len(snap) and all(a is s[0] for a, s in zip(flat, snap, strict=True))
     for i, (p, p_copy, grad, grad_copy, state) in enumerate(snap):
-        assert _bits_equal(p.detach(), p_copy), f"param {i} was modified"
+        assert bits_equal(p.detach(), p_copy), f"param {i} was modified"
         assert p.grad is grad, f"param {i}: grad object replaced"
         if grad is not None:
-            assert _bits_equal(p.grad.detach(), grad_copy), f"param {i}: grad was modified"
+            assert bits_equal(p.grad.detach(), grad_copy), f"param {i}: grad was modified"
         now = opt.state.get(p, {})
         assert sorted(now) == sorted(state), f"param {i}: state keys changed {sorted(state)} -> {sorted(now)}"
         for k, (obj, val) in state.items():
             assert now[k] is obj, f"param {i}: state[{k!r}] replaced"
             if isinstance(val, torch.Tensor):
-                assert _bits_equal(now[k].detach(), val), f"param {i}: state[{k!r}] was modified"
+                assert bits_equal(now[k].detach(), val), f"param {i}: state[{k!r}] was modified"
             else:
                 assert now[k] == val, f"param {i}: state[{k!r}] was modified"
 

@@ -1,7 +1,7 @@
 """The optimizer's thread count: one knob for every engine that runs during a step.
 
 ``roundpipe.optim.set_num_threads(n)`` (or ``ROUNDPIPE_OPTIM_NUM_THREADS``) sets how many
-threads a step uses; by default it follows ``torch.get_num_threads()``. The native backend
+threads a step uses; by default it follows ``torch.get_num_threads()``. The numba engine
 sets numba's pool to it, the numexpr engine numexpr's, and the torch engine runs its chunks on
 ``run_parallel``'s pool of Python threads while torch's own intra-op pool is held at one thread
 (``torch_threads``: ``torch.set_num_threads``, then restored), so no two pools ever run more
@@ -77,6 +77,10 @@ def torch_threads(n: int):
         torch.set_num_threads(current)
 
 
+# Shared process-wide: the pool. It is replaced (under ``_pool_lock``) only by a wider one and
+# never shut down: a thread that took the old one a moment earlier may still be submitting to
+# it (shutting it down would make that submit raise). A replaced pool's idle threads exit once
+# nothing refers to it any more (ThreadPoolExecutor's own weakref cleanup).
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -85,9 +89,7 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
-            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="roundpipe-optim")
-            if old is not None:
-                old.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="roundpipe-optim")
         return _pool
 
 
@@ -109,7 +111,8 @@ def run_parallel(work, fn, n: int) -> None:
         for item in items:
             fn(item)
 
-    futures = [_get_pool(n - 1).submit(worker) for _ in range(n - 1)]
+    pool = _get_pool(n - 1)  # this call's pool: a wider one may replace it meanwhile
+    futures = [pool.submit(worker) for _ in range(n - 1)]
     error = None
     try:
         worker()

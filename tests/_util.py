@@ -212,7 +212,10 @@ def bits_mismatch(a, b) -> str | None:
         return None
     where = torch.nonzero(differ).flatten()
     i = int(where[0])
-    return f"{len(where)} of {a.numel()} elements differ in their bits; first at flat index {i}: {a[i].item()!r} vs {b[i].item()!r}"
+    return (
+        f"{len(where)} of {a.numel()} elements differ in their bits; "
+        f"first at flat index {i}: {a[i].item()!r} vs {b[i].item()!r}"
+    )
 
 
 def bits_equal(a, b) -> bool:
@@ -225,8 +228,6 @@ def assert_bits_equal(a, b, msg: str = "") -> None:
     why = bits_mismatch(a, b)
     if why is not None:
         raise AssertionError(f"{msg}: {why}" if msg else why)
-
-
 
 
 def assert_unchanged(opt, snap):

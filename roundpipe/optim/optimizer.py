@@ -174,7 +174,9 @@ def _step(opt):
     rounding). ``torch.compiler.disable`` imports dynamo (1.2 s), so it is applied only once
     dynamo has been imported: nothing can be compiling before that."""
     global _disabled_step
-    if "torch._dynamo" not in sys.modules:
+    if "torch._dynamo" not in sys.modules or not torch.compiler.is_compiling():
+        # eager (dynamo folds is_compiling() to True while it traces, so a traced step takes
+        # the disabled one below): no wrapper to pay for on every step
         return _run_step(opt)
     if _disabled_step is None:
         _disabled_step = torch.compiler.disable(_run_step, recursive=True)

@@ -22,6 +22,8 @@ float literal in float64.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..spec.ir import Bin, Call, Const, Scalar, Tensor, walk
@@ -43,8 +45,10 @@ def const_var(value: float) -> str:
     return f"c_{bits:08x}"
 
 
+@functools.lru_cache(maxsize=1024)
 def lerp_weights(program) -> tuple:
-    """The scalar names used as lerp weights, in order of first use."""
+    """The scalar names used as lerp weights, in order of first use (remembered per program:
+    a step asks every time)."""
     names = []
     for st in program.statements:
         for node in walk(st.expr):

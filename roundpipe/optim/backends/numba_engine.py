@@ -35,14 +35,22 @@ Rounding is torch's float32 rounding, bit for bit (torch.optim's for-loop, ``for
   is measured once per process (``torch_fusion``), and exactly those call ``fma``
   (``llvm.fma.f32``). Nothing else is fused: without ``fastmath`` LLVM neither reassociates nor
   contracts ``a * b + c`` by itself;
-* ``sqrt`` is the routine torch's CPU ``sqrt`` runs, probed once per process (``torch_sqrt``):
-  on x86-64 wheels built with MKL that is VML's ``vmsSqrt`` (one ulp off the correctly rounded
-  root in about 15% of elements), called from the kernel on blocks of ``SQRT_BLOCK`` elements
-  through its address (a runtime argument, so kernels stay cacheable on disk); where torch's
-  ``sqrt`` is correctly rounded (no MKL) the kernel's own ``sqrt`` is used. A program with a
-  ``sqrt`` runs each block in passes: pass ``k`` computes the argument of the ``k``-th
-  ``sqrt`` into a block buffer (nothing written yet), the routine takes the roots, and the last
-  pass computes everything with the roots and writes the targets;
+* ``sqrt`` is torch's CPU ``sqrt``, bit for bit. On x86-64 wheels built with MKL that is VML's
+  ``vmsSqrt`` (one ulp off the correctly rounded root in about 20% of elements), found once per
+  process (``torch_sqrt``). Calling it costs about 0.8 ns an element, which made an Adam step
+  compute-bound on two cores, so the kernels compute what MKL's own float32 kernel for this
+  CPU computes: ``rsqrtps`` and a correction step, eight (or four) lanes at a time, handing the
+  lanes outside that sequence's range (subnormal, negative, huge, inf, NaN) to ``vmsSqrt``
+  itself (``sqrt_kind``: the emulation is used only where a probe finds it equal to
+  ``torch.sqrt``; checked once over all 2**32 float32 on an AMD EPYC: equal). Where no
+  emulation matches (another CPU's MKL kernel), the kernels call ``vmsSqrt`` (through its
+  address, a runtime argument, so kernels stay cacheable on disk); where torch's ``sqrt`` is
+  correctly rounded (no MKL) the kernel's own ``sqrt``. A program with a ``sqrt`` runs each
+  block of ``SQRT_BLOCK`` elements in passes: pass ``k`` computes the argument of the ``k``-th
+  ``sqrt`` into a block buffer (nothing written yet), the roots are taken, and the last pass
+  computes everything with the roots and writes the targets. Each block has views of its own
+  starting at index 0: indexing from an offset makes numba emit wraparound code, and LLVM then
+  does not vectorize the loops (measured: AdamW 3x slower);
 * ``error_model="numpy"``: ``x / 0`` is IEEE (inf or NaN), not ``ZeroDivisionError``.
 
 Compiled kernels are cached on disk between processes: the generated source is written to
@@ -97,7 +105,7 @@ logger = logging.getLogger("roundpipe.optim")
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
 INSTALL_HINT = "pip install numba (roundpipe declares it; a wheel, no compiler needed)"
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 4
+GENERATOR_VERSION = 5
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
 # Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
@@ -105,8 +113,9 @@ JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=Tru
 PARALLEL_MIN_NUMEL = 1 << 15
 # Thread shares are cut at multiples of this many elements (64 bytes: no shared cache lines).
 ALIGN = 16
-# Elements per block handed to torch's sqrt routine (3 float32 buffers of 2 KiB: in L1).
-SQRT_BLOCK = 512
+# Elements per block of a program with a sqrt (its passes run over one block at a time; 2048:
+# faster than 512 and 8192 for Adam and Adagrad here, measured side by side).
+SQRT_BLOCK = 2048
 # vmsSqrt's mode argument, as torch's ATen/cpu/vml.h passes it:
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 VML_MODE = 0x2 | 0x00140000 | 0x100
@@ -221,9 +230,13 @@ class _Codegen(Lowering):
             self.current[st.target] = local
 
 
-def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
+def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routine") -> KernelSource:
     """The kernel source for ``program`` and a lerp variant (``formulas.lerp_variant``);
-    ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA."""
+    ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA;
+    ``sqrt_kind``: how a block's roots are taken (``SQRT_KINDS``; ``sqrt_fn == 0`` at run time
+    always means the correctly rounded sqrt)."""
+    if sqrt_kind not in SQRT_KINDS:
+        raise ValueError(f"sqrt_kind {sqrt_kind!r} is not one of {SQRT_KINDS}")
     cg = _Codegen(program, variant, fused)
     for st in program.statements:
         cg.statement(st)
@@ -239,8 +252,8 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
         f"{i4}m = items[it, 2] - lo",
         # the slice's own pointer and a loop from 0: numba then knows no index is negative
         # (no wraparound code), and LLVM vectorizes the loop (7x faster than range(lo, hi))
-        *(f"{i4}{cg.arrays[t]} = carray(f32ptr(ptrs[{r}, j] + 4 * lo), m)" for r, t in enumerate(tensors)),
     ]
+    views = [f"{cg.arrays[t]} = carray(f32ptr(ptrs[{r}, j] + 4 * lo), m)" for r, t in enumerate(tensors)]
 
     def loop_body(indent, index, lines, stores):
         return [
@@ -250,26 +263,33 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
         ]
 
     if not cg.sqrts:
-        inner = [f"{i4}for i in range(m):", *loop_body(i5, "i", cg.body, True)]
+        inner = [*(f"{i4}{v}" for v in views), f"{i4}for i in range(m):", *loop_body(i5, "i", cg.body, True)]
         scratch = []
     else:
         # blocks of SQRT_BLOCK elements; pass k binds the k-th sqrt's argument into q{k} (no
         # store), torch's sqrt routine takes the block's roots into r{k}, the last pass runs
-        # the whole body with the roots and stores the targets
-        inner = [f"{i4}for b0 in range(0, m, {SQRT_BLOCK}):", f"{i5}mb = min({SQRT_BLOCK}, m - b0)"]
+        # the whole body with the roots and stores the targets. Each block gets views of its
+        # own that start at index 0 (as the whole slice's do above): indexing with b0 + i
+        # would make numba emit wraparound code for negative indices, and LLVM then does not
+        # vectorize the loops (measured: AdamW 3x slower).
+        block_views = [v.replace("4 * lo), m)", "4 * (lo + b0)), mb)") for v in views]
+        inner = [
+            f"{i4}for b0 in range(0, m, {SQRT_BLOCK}):",
+            f"{i5}mb = min({SQRT_BLOCK}, m - b0)",
+            *(f"{i5}{v}" for v in block_views),
+        ]
         for k, cut in enumerate(cg.sqrts):
             inner += [
                 f"{i5}for i in range(mb):",
-                f"{i6}ix = b0 + i",
-                *loop_body(i6, "ix", cg.body[:cut], False),
+                *loop_body(i6, "i", cg.body[:cut], False),
                 f"{i6}q{k}[i] = a{k}",
                 f"{i5}if sqrt_fn == 0:",
                 f"{i6}for i in range(mb):",
                 f"{i6}    r{k}[i] = np.sqrt(q{k}[i])",
                 f"{i5}else:",
-                f"{i6}call_sqrt(sqrt_fn, mb, q{k}, r{k})",
+                *_sqrt_block(sqrt_kind, i6, f"q{k}", f"r{k}"),
             ]
-        inner += [f"{i5}for i in range(mb):", f"{i6}ix = b0 + i", *loop_body(i6, "ix", cg.body, True)]
+        inner += [f"{i5}for i in range(mb):", *loop_body(i6, "i", cg.body, True)]
         scratch = [
             f"        {buf}{k} = np.empty({SQRT_BLOCK}, np.float32)"
             for k in range(len(cg.sqrts))
@@ -294,7 +314,7 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
         "#",
         *(f"#   {line}" for line in str(program).splitlines()),
         "#",
-        f"# lerp variant {tuple(variant)!r}, fused multiply-adds in {sorted(cg.fused)!r},",
+        f"# lerp variant {tuple(variant)!r}, fused multiply-adds in {sorted(cg.fused)!r}, sqrt {sqrt_kind},",
         f"# generator version {GENERATOR_VERSION}. Every scalar and constant is a float32 read from",
         "# sv (a Python float literal would make numba compute in float64). The same loop twice:",
         "# kernel_parallel for numba.njit(parallel=True), kernel_serial for one thread. sqrt_fn: the",
@@ -303,7 +323,9 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
         "from numba import carray, prange",
         "",
         "from roundpipe.optim.backends.numba_engine import "
-        + ", ".join(["f32ptr", *(["fma"] if cg.uses_fma else []), *(["call_sqrt"] if cg.sqrts else [])]),
+        + ", ".join(
+            ["f32ptr", *(["fma"] if cg.uses_fma else []), *(_SQRT_IMPORTS[sqrt_kind] if cg.sqrts else ())]
+        ),
         "",
         "",
         *kernel("kernel_parallel", "prange"),
@@ -311,6 +333,40 @@ def generate(program, variant: tuple, fused=frozenset()) -> KernelSource:
     ]
     consts = tuple(_F32(cg.consts[c]) for c in const_names)
     return KernelSource("\n".join(lines).rstrip() + "\n", tensors, scalars, consts)
+
+
+# How a kernel takes the roots of a block (``q`` -> ``r``, ``mb`` elements), when ``sqrt_fn`` (the
+# address of torch's routine) is not 0:
+# * ``routine``: calls it (MKL's ``vmsSqrt``: about 0.8 ns an element, which makes an Adam step
+#   compute-bound on a few cores);
+# * ``emulated-avx``/``emulated``/``emulated-fma``: computes, eight (AVX) or four (SSE) lanes at a
+#   time, the sequence MKL's SSE float32 kernel (``emulated*``; rounded after each operation) or
+#   its AVX2 kernel (``emulated-fma``) runs (``_sqrtv``), which equals it bit
+#   for bit wherever that sequence applies (x positive, normal, below 0x7f7ff000; zeros are
+#   returned as they are, as sqrt(+-0) is +-0); the other lanes (subnormal, negative, huge,
+#   inf, NaN) and the block's last 0-3 elements go to the routine. Used only where the probe
+#   (``sqrt_kind``) finds it equal to torch.sqrt.
+SQRT_KINDS = ("routine", "emulated-avx", "emulated", "emulated-fma")
+# kind -> (the intrinsic, its lanes)
+_EMULATIONS = {"emulated-avx": ("sqrt8", 8), "emulated": ("sqrt4", 4), "emulated-fma": ("sqrt8_fma", 8)}
+_SQRT_IMPORTS = {"routine": ["call_sqrt"], **{k: ["call_sqrt_at", v[0]] for k, v in _EMULATIONS.items()}}
+
+
+def _sqrt_block(kind, indent, q, r):
+    if kind == "routine":
+        return [f"{indent}call_sqrt(sqrt_fn, mb, {q}, {r})"]
+    emu, lanes = _EMULATIONS[kind]
+    lines = [
+        f"qa = {q}.ctypes.data",
+        f"ra = {r}.ctypes.data",
+        f"n4 = mb - (mb & {lanes - 1})",
+        f"for i in range(0, n4, {lanes}):",
+        f"    if {emu}(qa + 4 * i, ra + 4 * i):",
+        f"        call_sqrt_at(sqrt_fn, {lanes}, qa + 4 * i, ra + 4 * i)",
+        "if n4 < mb:",
+        "    call_sqrt_at(sqrt_fn, mb - n4, qa + 4 * n4, ra + 4 * n4)",
+    ]
+    return [indent + line for line in lines]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,6 +512,52 @@ def _probe_sqrt():
     )
     logger.warning("roundpipe.optim numba engine: sqrt is %s", msg)
     return 0, msg, False
+
+
+_kind = None
+_kind_lock = threading.Lock()
+
+
+def sqrt_kind() -> str:
+    """How the kernels take torch's roots (``SQRT_KINDS``), probed once per process: the first
+    emulation of MKL's kernel that equals ``torch.sqrt`` bit for bit on every probe value (a
+    kernel ``param = sqrt(grad)`` run on them, compiled like any other and cached on disk), else
+    ``routine`` (calling torch's routine; also where torch.sqrt is not MKL's, or not x86-64:
+    the kernels then never call it, as ``sqrt_fn`` is 0)."""
+    global _kind
+    if _kind is None:
+        with _kind_lock:
+            if _kind is None:
+                _kind = _probe_kind()
+    return _kind
+
+
+def _probe_kind() -> str:
+    import platform
+
+    from ..spec.ir import ProgramBuilder, sqrt
+
+    address = torch_sqrt()[0]
+    if not address or platform.machine().lower() not in ("x86_64", "amd64"):
+        return "routine"
+    b = ProgramBuilder(("param", "grad"))
+    b.assign(b.tensor("param"), sqrt(b.tensor("grad")))
+    program = b.build()
+    x = _probe_values()
+    want = _bits(torch.sqrt(x).numpy())
+    for kind in SQRT_KINDS[1:]:
+        out = torch.empty_like(x)
+        try:
+            kernel = compile_kernel(program, lerp_variant({}, lerp_weights(program)), frozenset(), kind)
+            kernel.run({"param": out, "grad": x}, {}, 1, address)
+        except Exception as err:  # an intrinsic this LLVM or CPU lacks: the next one
+            logger.debug("roundpipe.optim numba engine: sqrt %s unavailable: %s", kind, err)
+            continue
+        if np.array_equal(_bits(out.numpy()), want):
+            logger.debug("roundpipe.optim numba engine: sqrt %s equals torch.sqrt on the probe", kind)
+            return kind
+        logger.debug("roundpipe.optim numba engine: sqrt %s differs from torch.sqrt on the probe", kind)
+    return "routine"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,18 +709,22 @@ def partition(sizes, nthreads: int):
 _kernels = CompileCache()
 
 
-def compile_kernel(program, variant: tuple, fused=None) -> NumbaKernel:
-    """The kernels for ``program`` and a lerp variant; ``fused`` defaults to torch_fusion()'s.
-    numba compiles (or loads from its cache) each of the two on its first call."""
+def compile_kernel(program, variant: tuple, fused=None, sqrt: str | None = None) -> NumbaKernel:
+    """The kernels for ``program`` and a lerp variant; ``fused`` defaults to torch_fusion()'s,
+    ``sqrt`` (a ``SQRT_KINDS`` entry) to sqrt_kind()'s. numba compiles (or loads from its
+    cache) each of the two on its first call."""
     numba = import_numba()
     if fused is None:
         fused = torch_fusion()[0]
     fused = frozenset(fused)
-    return _kernels.get((program, tuple(variant), fused), lambda: _compile(numba, program, variant, fused))
+    if sqrt is None:
+        sqrt = sqrt_kind()
+    key = (program, tuple(variant), fused, sqrt)
+    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt))
 
 
-def _compile(numba, program, variant, fused) -> NumbaKernel:
-    ks = generate(program, variant, fused)
+def _compile(numba, program, variant, fused, sqrt="routine") -> NumbaKernel:
+    ks = generate(program, variant, fused, sqrt)
     key = f"{ks.source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
     name = "roundpipe_numba_" + hashlib.sha256(key.encode()).hexdigest()[:24]
     module, on_disk = _load_module(name, ks.source)
@@ -653,18 +759,20 @@ class NumbaEngine:
         self._numba = import_numba()
         self.fused, fusion_exact = torch_fusion()
         self.sqrt_fn, self.sqrt_what, sqrt_exact = torch_sqrt()
+        self.sqrt_kind = sqrt_kind()
         # bit for bit torch.optim's for-loop for every program
         self.exact = fusion_exact and sqrt_exact
         logger.debug(
-            "numba engine: numba %s, threading layer %s, fused multiply-adds in %s, sqrt %s",
+            "numba engine: numba %s, threading layer %s, fused multiply-adds in %s, sqrt %s (%s)",
             self._numba.__version__,
             self._numba.config.THREADING_LAYER,
             sorted(self.fused),
             self.sqrt_what,
+            self.sqrt_kind,
         )
 
     def kernel(self, program, variant) -> NumbaKernel:
-        return compile_kernel(program, variant, self.fused)
+        return compile_kernel(program, variant, self.fused, self.sqrt_kind)
 
     def prepare(self, program, scalars, columns, cache):
         """Everything a launch over ``columns`` needs (kernels compiled, the address table,
@@ -864,12 +972,98 @@ def _make_intrinsics():
 
             return types.void(fn, n, src, dst), codegen
 
-        _intrinsics.update(fma=fma, f32ptr=f32ptr, call_sqrt=call_sqrt)
+        @intrinsic
+        def call_sqrt_at(typingctx, fn, n, src, dst):
+            """``fn(n, src, dst, VML_MODE)`` with the arrays given by their addresses."""
+            if not all(isinstance(x, types.Integer) for x in (fn, n, src, dst)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                fnaddr, count, a, r = args
+                f32p = ir.FloatType().as_pointer()
+                fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), f32p, f32p, ir.IntType(64)])
+                target = builder.inttoptr(fnaddr, fnty.as_pointer())
+                count32 = builder.trunc(count, ir.IntType(32))
+                mode = ir.Constant(ir.IntType(64), VML_MODE)
+                builder.call(target, [count32, builder.inttoptr(a, f32p), builder.inttoptr(r, f32p), mode])
+                return context.get_dummy_value()
+
+            return types.void(fn, n, src, dst), codegen
+
+        _intrinsics.update(
+            fma=fma,
+            f32ptr=f32ptr,
+            call_sqrt=call_sqrt,
+            call_sqrt_at=call_sqrt_at,
+            sqrt4=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=4),
+            sqrt8=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=8),
+            sqrt8_fma=_sqrtv(intrinsic, types, ir, with_fma=True, lanes=8),
+        )
     return _intrinsics
 
 
+def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
+    """``sqrtv(src, dst)``: the roots of ``lanes`` (4: SSE, 8: AVX) float32 at address ``src`` into
+    ``dst``, as MKL's
+    float32 HA sqrt kernels compute them where their main path applies: ``y = rsqrtps(x)``,
+    ``s = x * y``, ``h = 0.5 * y``, ``e = 0.5 - s * h``, ``s1 = s + s * e``, ``h1 = h + e * h``,
+    ``r = x - s1 * s1``, ``sqrt = s1 + r * h1`` (``with_fma``: each ``a +- b * c`` rounded once,
+    as the AVX2 kernel does; else rounded after each operation, as the SSE kernel). Zeros are
+    returned as they are. Returns non-zero when a lane is outside that path (MKL's own test:
+    ``bits + 0x7f800000 > 0xfefff000`` as int32; zeros excepted): the caller then gives the four
+    to the routine."""
+
+    @intrinsic
+    def sqrtv(typingctx, src, dst):
+        if not (isinstance(src, types.Integer) and isinstance(dst, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            from numba.core import cgutils
+
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            v4f, v4i = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes)
+
+            def splat(ty, value):
+                return ir.Constant(ty, [value] * lanes)
+
+            x = builder.load(builder.inttoptr(args[0], v4f.as_pointer()), align=4)
+            off_path = builder.icmp_signed(
+                ">", builder.add(builder.bitcast(x, v4i), splat(v4i, 0x7F800000)), splat(v4i, -16781312)
+            )
+            zero = builder.fcmp_ordered("==", x, splat(v4f, 0.0))
+            name = "llvm.x86.sse.rsqrt.ps" if lanes == 4 else "llvm.x86.avx.rsqrt.ps.256"
+            rsqrt = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(v4f, [v4f]))
+            half = splat(v4f, 0.5)
+            y = builder.call(rsqrt, [x])
+            s = builder.fmul(x, y)
+            h = builder.fmul(y, half)
+            if with_fma:
+                fnty = ir.FunctionType(v4f, [v4f] * 3)
+                fma = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{lanes}f32")
+                e = builder.call(fma, [builder.fneg(s), h, half])
+                s1 = builder.call(fma, [s, e, s])
+                h1 = builder.call(fma, [e, h, h])
+                r = builder.call(fma, [builder.fneg(s1), s1, x])
+                root = builder.call(fma, [h1, r, s1])
+            else:
+                e = builder.fsub(half, builder.fmul(s, h))
+                s1 = builder.fadd(builder.fmul(s, e), s)
+                h1 = builder.fadd(builder.fmul(e, h), h)
+                r = builder.fsub(x, builder.fmul(s1, s1))
+                root = builder.fadd(builder.fmul(r, h1), s1)
+            root = builder.select(zero, x, root)
+            builder.store(root, builder.inttoptr(args[1], v4f.as_pointer()), align=4)
+            need = builder.and_(off_path, builder.not_(zero))
+            return builder.zext(builder.bitcast(need, ir.IntType(lanes)), i32)
+
+        return types.int32(src, dst), codegen
+
+    return sqrtv
+
+
 def __getattr__(name):
-    if name in ("fma", "f32ptr", "call_sqrt"):
+    if name in ("fma", "f32ptr", "call_sqrt", "call_sqrt_at", "sqrt4", "sqrt8", "sqrt8_fma"):
         return _make_intrinsics()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

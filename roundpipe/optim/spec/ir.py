@@ -265,6 +265,15 @@ class Program:
     scalars: tuple
     targets: tuple
 
+    def __hash__(self):
+        # computed once: programs key every compile cache, and a step looks them up (hashing
+        # the statement trees each time cost ~40 us a step)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.statements, self.tensors, self.scalars, self.targets))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def __str__(self):
         lines = []
         for st in self.statements:

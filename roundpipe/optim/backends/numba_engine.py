@@ -794,16 +794,20 @@ class NumbaEngine:
             return _nothing
         nthreads = self._threads(table.total)
         calls = []
-        with _keep_torch_threads():  # a first parallel call starts numba's pool
-            for variant, parts in by_variant.items():
-                try:
-                    kernel = self.kernel(program, variant)
-                    bucket, sv = self._rows(kernel, parts, len(params), weights, cache)
-                    dispatcher = kernel.ensure_compiled(nthreads > 1, table.ptrs, sv)
-                except Exception as err:  # not KeyboardInterrupt: that propagates as itself
-                    raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
-                bounds, items = table.partition(nthreads, bucket)
-                calls.append((dispatcher, bounds, items, bucket, sv))
+        ready = cache.setdefault("ready", {})  # (variant, parallel) -> (kernel, dispatcher)
+        for variant, parts in by_variant.items():
+            hit = ready.get((variant, nthreads > 1))
+            try:
+                kernel = hit[0] if hit else self.kernel(program, variant)
+                bucket, sv = self._rows(kernel, parts, len(params), weights, cache)
+                if hit is None:
+                    with _keep_torch_threads():  # a first parallel call starts numba's pool
+                        dispatcher = kernel.ensure_compiled(nthreads > 1, table.ptrs, sv)
+                    hit = ready[(variant, nthreads > 1)] = (kernel, dispatcher)
+            except Exception as err:  # not KeyboardInterrupt: that propagates as itself
+                raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
+            bounds, items = table.partition(nthreads, bucket)
+            calls.append((hit[1], bounds, items, bucket, sv))
         ptrs, sqrt_fn = table.ptrs, self.sqrt_fn
 
         def launch():
@@ -897,10 +901,11 @@ class _Table:
 
     def partition(self, nthreads, bucket):
         # parameters outside every segment (bucket -1) are not run
-        key = (nthreads, bucket.tobytes()) if (bucket < 0).any() else nthreads
+        skipped = bucket.min() < 0 if len(bucket) else False
+        key = (nthreads, bucket.tobytes()) if skipped else nthreads
         hit = self._partitions.get(key)
         if hit is None:
-            sizes = np.where(bucket >= 0, self.sizes, 0) if (bucket < 0).any() else self.sizes
+            sizes = np.where(bucket >= 0, self.sizes, 0) if skipped else self.sizes
             hit = self._partitions[key] = partition(list(sizes), nthreads)
         return hit
 

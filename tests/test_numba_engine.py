@@ -276,7 +276,7 @@ def test_fma_is_used_where_torch_fuses():
     # add(alpha=wd), addcmul(value=...), lerp, addcmul(value=1), in the last pass of each of
     # the two loops
     assert sum(_final_pass(src, k).count("fma(") for k in ("kernel_parallel", "kernel_serial")) == 2 * 4
-    assert "from roundpipe.optim.backends.numba_engine import f32ptr, fma, call_sqrt" in src
+    assert "from roundpipe.optim.backends.numba_engine import f32ptr, fma, call_sqrt_at" in src
 
 
 def _kernel_lines(src, name):

@@ -344,17 +344,17 @@ def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routi
 #   its AVX2 kernel (``emulated-fma``) runs (``_sqrtv``), which equals it bit
 #   for bit wherever that sequence applies (x positive, normal, below 0x7f7ff000; zeros are
 #   returned as they are, as sqrt(+-0) is +-0); the other lanes (subnormal, negative, huge,
-#   inf, NaN) and the block's last 0-3 elements go to the routine. Used only where the probe
-#   (``sqrt_kind``) finds it equal to torch.sqrt.
+#   inf, NaN) and the block's last (fewer than a vector of) elements go to the routine. Used
+#   only where the probe (``sqrt_kind``) finds it equal to torch.sqrt.
 SQRT_KINDS = ("routine", "emulated-avx", "emulated", "emulated-fma")
 # kind -> (the intrinsic, its lanes)
 _EMULATIONS = {"emulated-avx": ("sqrt8", 8), "emulated": ("sqrt4", 4), "emulated-fma": ("sqrt8_fma", 8)}
-_SQRT_IMPORTS = {"routine": ["call_sqrt"], **{k: ["call_sqrt_at", v[0]] for k, v in _EMULATIONS.items()}}
+_SQRT_IMPORTS = {"routine": ["call_sqrt_at"], **{k: ["call_sqrt_at", v[0]] for k, v in _EMULATIONS.items()}}
 
 
 def _sqrt_block(kind, indent, q, r):
     if kind == "routine":
-        return [f"{indent}call_sqrt(sqrt_fn, mb, {q}, {r})"]
+        return [f"{indent}call_sqrt_at(sqrt_fn, mb, {q}.ctypes.data, {r}.ctypes.data)"]
     emu, lanes = _EMULATIONS[kind]
     lines = [
         f"qa = {q}.ctypes.data",
@@ -920,7 +920,8 @@ def kernel_source(program, variant=None, fused=None) -> str:
 # ---------------------------------------------------------------------------------------------
 # intrinsics imported by the generated modules, built on first use (numba is imported lazily):
 # ``fma`` (float32 a * b + c rounded once), ``f32ptr`` (an address as a float32 pointer) and
-# ``call_sqrt`` (torch's sqrt routine, called through its address)
+# ``call_sqrt_at`` (torch's sqrt routine, called through its address), ``sqrt4``/``sqrt8``/
+# ``sqrt8_fma`` (MKL's sqrt sequence, ``_sqrtv``)
 
 _intrinsics: dict = {}
 
@@ -957,29 +958,10 @@ def _make_intrinsics():
             return ptr(address), codegen
 
         @intrinsic
-        def call_sqrt(typingctx, fn, n, src, dst):
-            """``fn(n, src, dst, VML_MODE)``: the sqrt routine at address ``fn`` (vmsSqrt's
-            signature: int32 count, float32 in, float32 out, int64 mode) on ``n`` elements."""
-            if not (isinstance(fn, types.Integer) and isinstance(n, types.Integer)):
-                return None
-
-            def codegen(context, builder, signature, args):
-                fnaddr, count, a, r = args
-                f32p = ir.FloatType().as_pointer()
-                fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), f32p, f32p, ir.IntType(64)])
-                target = builder.inttoptr(fnaddr, fnty.as_pointer())
-                count32 = builder.trunc(count, ir.IntType(32))
-                pa = context.make_array(signature.args[2])(context, builder, a).data
-                pr = context.make_array(signature.args[3])(context, builder, r).data
-                mode = ir.Constant(ir.IntType(64), VML_MODE)
-                builder.call(target, [count32, builder.bitcast(pa, f32p), builder.bitcast(pr, f32p), mode])
-                return context.get_dummy_value()
-
-            return types.void(fn, n, src, dst), codegen
-
-        @intrinsic
         def call_sqrt_at(typingctx, fn, n, src, dst):
-            """``fn(n, src, dst, VML_MODE)`` with the arrays given by their addresses."""
+            """``fn(n, src, dst, VML_MODE)``: the sqrt routine at address ``fn`` (vmsSqrt's
+            signature: int32 count, float32 in, float32 out, int64 mode) on ``n`` elements, the
+            arrays given by their addresses."""
             if not all(isinstance(x, types.Integer) for x in (fn, n, src, dst)):
                 return None
 
@@ -998,7 +980,6 @@ def _make_intrinsics():
         _intrinsics.update(
             fma=fma,
             f32ptr=f32ptr,
-            call_sqrt=call_sqrt,
             call_sqrt_at=call_sqrt_at,
             sqrt4=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=4),
             sqrt8=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=8),
@@ -1009,14 +990,13 @@ def _make_intrinsics():
 
 def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
     """``sqrtv(src, dst)``: the roots of ``lanes`` (4: SSE, 8: AVX) float32 at address ``src`` into
-    ``dst``, as MKL's
-    float32 HA sqrt kernels compute them where their main path applies: ``y = rsqrtps(x)``,
-    ``s = x * y``, ``h = 0.5 * y``, ``e = 0.5 - s * h``, ``s1 = s + s * e``, ``h1 = h + e * h``,
-    ``r = x - s1 * s1``, ``sqrt = s1 + r * h1`` (``with_fma``: each ``a +- b * c`` rounded once,
-    as the AVX2 kernel does; else rounded after each operation, as the SSE kernel). Zeros are
-    returned as they are. Returns non-zero when a lane is outside that path (MKL's own test:
-    ``bits + 0x7f800000 > 0xfefff000`` as int32; zeros excepted): the caller then gives the four
-    to the routine."""
+    ``dst``, as MKL's float32 HA sqrt kernels compute them where their main path applies: ``y =
+    rsqrtps(x)``, ``s = x * y``, ``h = 0.5 * y``, ``e = 0.5 - s * h``, ``s1 = s + s * e``, ``h1
+    = h + e * h``, ``r = x - s1 * s1``, ``sqrt = s1 + r * h1`` (``with_fma``: each ``a +- b *
+    c`` rounded once, as the AVX2 kernel does; else rounded after each operation, as the SSE
+    kernel). Zeros are returned as they are. Returns non-zero when a lane is outside that path
+    (MKL's own test: ``bits + 0x7f800000 > 0xfefff000`` as int32; zeros excepted): the caller
+    then gives those ``lanes`` elements to the routine."""
 
     @intrinsic
     def sqrtv(typingctx, src, dst):
@@ -1027,24 +1007,24 @@ def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
             from numba.core import cgutils
 
             f32, i32 = ir.FloatType(), ir.IntType(32)
-            v4f, v4i = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes)
+            vf, vi = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes)
 
             def splat(ty, value):
                 return ir.Constant(ty, [value] * lanes)
 
-            x = builder.load(builder.inttoptr(args[0], v4f.as_pointer()), align=4)
+            x = builder.load(builder.inttoptr(args[0], vf.as_pointer()), align=4)
             off_path = builder.icmp_signed(
-                ">", builder.add(builder.bitcast(x, v4i), splat(v4i, 0x7F800000)), splat(v4i, -16781312)
+                ">", builder.add(builder.bitcast(x, vi), splat(vi, 0x7F800000)), splat(vi, -16781312)
             )
-            zero = builder.fcmp_ordered("==", x, splat(v4f, 0.0))
+            zero = builder.fcmp_ordered("==", x, splat(vf, 0.0))
             name = "llvm.x86.sse.rsqrt.ps" if lanes == 4 else "llvm.x86.avx.rsqrt.ps.256"
-            rsqrt = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(v4f, [v4f]))
-            half = splat(v4f, 0.5)
+            rsqrt = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(vf, [vf]))
+            half = splat(vf, 0.5)
             y = builder.call(rsqrt, [x])
             s = builder.fmul(x, y)
             h = builder.fmul(y, half)
             if with_fma:
-                fnty = ir.FunctionType(v4f, [v4f] * 3)
+                fnty = ir.FunctionType(vf, [vf] * 3)
                 fma = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{lanes}f32")
                 e = builder.call(fma, [builder.fneg(s), h, half])
                 s1 = builder.call(fma, [s, e, s])
@@ -1058,7 +1038,7 @@ def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
                 r = builder.fsub(x, builder.fmul(s1, s1))
                 root = builder.fadd(builder.fmul(r, h1), s1)
             root = builder.select(zero, x, root)
-            builder.store(root, builder.inttoptr(args[1], v4f.as_pointer()), align=4)
+            builder.store(root, builder.inttoptr(args[1], vf.as_pointer()), align=4)
             need = builder.and_(off_path, builder.not_(zero))
             return builder.zext(builder.bitcast(need, ir.IntType(lanes)), i32)
 
@@ -1068,7 +1048,7 @@ def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
 
 
 def __getattr__(name):
-    if name in ("fma", "f32ptr", "call_sqrt", "call_sqrt_at", "sqrt4", "sqrt8", "sqrt8_fma"):
+    if name in ("fma", "f32ptr", "call_sqrt_at", "sqrt4", "sqrt8", "sqrt8_fma"):
         return _make_intrinsics()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -17,15 +17,21 @@ module adds:
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import warnings
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 from . import backends
 from .backends import Checked
 from .plan import adopt_flat_state, rollback
 from .plan import build as build_plan
+from .spec.core import Scratch
+
+# 0-d ``step`` entries whose scalars are computed on a Scratch value rather than a tensor clone
+_SCRATCH_DTYPES = (torch.float32, torch.float64)
 
 
 class RoundpipeOptimizer(torch.optim.Optimizer):
@@ -65,19 +71,19 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
             .replace(f"{type(self).__name__} (", f"{type(self).__name__} (backend={self.backend!r},", 1)
         )
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def step(*args, **kwargs):  # noqa: N805 (``self`` is args[0], as in torch's wrapper)
         """Perform a single optimization step, as ``torch.optim``'s ``step`` does.
 
         All or nothing: everything that can fail (validation, the scalars, the engine's
         compilation and workspaces) happens before the first write, so an exception (or a
         KeyboardInterrupt) before it leaves every parameter and state entry as it was."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        _step(self)
-        return loss
+        if "torch._dynamo" in sys.modules and torch.compiler.is_compiling():
+            return _disabled(_hooked_step)(*args, **kwargs)
+        return _hooked_step(*args, **kwargs)
+
+    # torch's __init__ wraps an unmarked step in its hook runner (profile_hook_step); ours runs
+    # the same hooks (_hooked_step) at a tenth of its cost, which a step of one parameter pays
+    step.hooked = True
 
     def _schedule(self, plan, grads):
         """Each unit's scalars (on scratch copies of its 0-d state) and the step's launches: one
@@ -91,7 +97,11 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 if not unit.uniform():
                     return None
                 cols = unit.scalar_columns
-                scratch = {n: c[0].clone() for n, c in cols.items()}
+                step = cols.get("step")
+                if len(cols) == 1 and step is not None and step[0].dtype in _SCRATCH_DTYPES:
+                    scratch = {"step": Scratch(step[0].item(), step[0].dtype)}
+                else:
+                    scratch = {n: c[0].clone() for n, c in cols.items()}
                 values, flags = {}, dict(unit.flags)
                 try:
                     for k, v in spec.scalars(gp.group, scratch).items():
@@ -105,7 +115,12 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                         f"cannot compute this step's scalars from the group's hyperparameters: {e}"
                     ) from e
                 writeback.append((unit, scratch))
-                program = spec.program({**gp.options, **flags})
+                memo = plan.cache.get(unit)  # the unit's last flags and their program
+                if memo is not None and memo[0] == flags:
+                    program = memo[1]
+                else:
+                    program = spec.program({**gp.options, **flags})
+                    plan.cache[unit] = (flags, program)
                 grad_col = gp.grad_columns(group_grads, unit)
                 by_program.setdefault(program, []).append((unit, values, grad_col))
         launches = []
@@ -135,12 +150,13 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
 
 def _run_step(opt):
     backend = backends.get(opt._roundpipe_backend)
-    backend.check_settings()
     plan = opt.__dict__.get("_roundpipe_plan")
     grads = plan.check(opt, opt.spec) if plan is not None else None
     created = []
     try:
         if grads is None:
+            # (a step on an unchanged plan has its settings checked by the backend's prepare)
+            backend.check_settings()
             opt._roundpipe_plan = None
             plan, grads, created = build_plan(opt, opt.spec, backend)
             opt._roundpipe_plan = plan
@@ -165,22 +181,67 @@ def _run_step(opt):
         launch()
 
 
-_disabled_step = None
+def _hooked_step(*args, **kwargs):
+    """torch's ``Optimizer.profile_hook_step`` wrapper, the same hooks in the same order with
+    the same arguments, under a ``record_function`` of the same name (torch's cheap C++ one
+    where it has it: the Python one costs 13 us a step even with no profiler running)."""
+    self = args[0]
+    cls = type(self)
+    if cls.step is not RoundpipeOptimizer.step:
+        # a subclass's own step: torch wrapped that one in its hook runner, which runs the hooks
+        return _step_body(*args, **kwargs)
+    with _record_function(f"Optimizer.step#{cls.__name__}.step"):
+        if _torch_optimizer._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks:
+            for pre_hook in itertools.chain(
+                _torch_optimizer._global_optimizer_pre_hooks.values(),
+                self._optimizer_step_pre_hooks.values(),
+            ):
+                result = pre_hook(self, args, kwargs)
+                if result is not None:
+                    if isinstance(result, tuple) and len(result) == 2:
+                        args, kwargs = result
+                    else:
+                        raise RuntimeError(
+                            f"{_step_body} must return None or a tuple of (new_args, new_kwargs), "
+                            f"but got {result}."
+                        )
+        out = _step_body(*args, **kwargs)
+        self._optimizer_step_code()
+        if self._optimizer_step_post_hooks or _torch_optimizer._global_optimizer_post_hooks:
+            for post_hook in itertools.chain(
+                self._optimizer_step_post_hooks.values(),
+                _torch_optimizer._global_optimizer_post_hooks.values(),
+            ):
+                post_hook(self, args, kwargs)
+        return out
 
 
-def _step(opt):
-    """The step, run as itself inside ``torch.compile``: dynamo would otherwise trace into
-    numba's dispatcher (and fail) or recompile the torch engine's ops with inductor (other
-    rounding). ``torch.compiler.disable`` imports dynamo (1.2 s), so it is applied only once
-    dynamo has been imported: nothing can be compiling before that."""
-    global _disabled_step
-    if "torch._dynamo" not in sys.modules or not torch.compiler.is_compiling():
-        # eager (dynamo folds is_compiling() to True while it traces, so a traced step takes
-        # the disabled one below): no wrapper to pay for on every step
-        return _run_step(opt)
-    if _disabled_step is None:
-        _disabled_step = torch.compiler.disable(_run_step, recursive=True)
-    return _disabled_step(opt)
+def _step_body(self, closure=None):
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    grad_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        _run_step(self)
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
+    return loss
+
+
+_record_function = getattr(torch._C._profiler, "_RecordFunctionFast", torch.autograd.profiler.record_function)
+_disabled_fns: dict = {}
+
+
+def _disabled(fn):
+    """``fn`` run as itself inside ``torch.compile``: dynamo would otherwise trace into numba's
+    dispatcher (and fail) or recompile the torch engine's ops with inductor (other rounding).
+    Only called once dynamo is imported (``torch.compiler.disable`` imports it: 1.2 s)."""
+    hit = _disabled_fns.get(fn)
+    if hit is None:
+        hit = _disabled_fns[fn] = torch.compiler.disable(fn, recursive=True)
+    return hit
 
 
 # ----------------------------------------------------------------------------------------------

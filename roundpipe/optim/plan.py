@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .backends import Checked
-from .spec.core import Options
+from .spec.core import Options, Scratch
 
 SUPPORTED_DTYPES = (torch.float32, torch.complex64)
 _STRIDED = torch.strided
@@ -192,8 +192,15 @@ class Unit:
         """Set every member's 0-d state to the step's new values (``scratch``)."""
         for n, col in self.scalar_columns.items():
             flat = self.scalar_flat[n]
+            new = scratch[n]
+            if type(new) is Scratch:
+                if flat is None:
+                    for t in col:
+                        t.fill_(new.value)
+                    continue
+                new = new.value
             if flat is not None:
-                flat.fill_(scratch[n])
+                flat.fill_(new)
             else:
                 torch._foreach_copy_(col, [scratch[n]] * len(col))
 

@@ -6,7 +6,7 @@ The whole interface a backend implements (duck-typed):
 
     class Backend:
         name: str                     # as passed to backend=
-        def check_settings(self): ... # raise now, before a step writes anything, on bad settings
+        def check_settings(self): ... # raise on bad settings (called when a plan is built)
         def prepare(self, program, scalars, columns, cache) -> launch: ...
 
 ``prepare`` does everything that can fail for running ``program`` (``spec/ir.py``) in place on
@@ -20,7 +20,9 @@ parameters in order (parameters whose 0-d state differs, e.g. a different ``step
 different scalars). A column of type ``Checked`` has been validated by the step plan; any other
 is checked by the backend that needs it. ``cache`` is a dict the step plan keeps for this call
 site between steps (flat buffers, pointer tables); it is dropped whenever the plan is rebuilt.
-``run(...)`` is ``prepare(...)()``, for tools and tests.
+``prepare`` checks the settings it reads (environment variables) itself, every step: a
+step on an unchanged plan does not call ``check_settings``. ``run(...)`` is ``prepare(...)()``,
+for tools and tests.
 
 The names (``backend=``, or ``ROUNDPIPE_OPTIM_BACKEND``; the default is ``"fast"``):
 

@@ -41,7 +41,7 @@ import torch
 
 from .. import threads
 from ..plan import contiguous_run
-from . import CompileCache, numexpr_engine, segments, torch_engine
+from . import CompileCache, numba_engine, numexpr_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
 
 logger = logging.getLogger("roundpipe.optim")
@@ -111,7 +111,7 @@ class FastBackend:
             engine_setting(engine)
         self.name = "fast" if engine is None else f"fast:{engine}"
         self._engine = engine
-        self._logged: set = set()
+        self._logged: set = set()  # debug-log record, unlocked: a race logs twice at worst
         self._lock = threading.Lock()
         self._numba = None  # the NumbaEngine, once made
         self._numba_error = None  # why it cannot be made (an ImportError)
@@ -131,8 +131,6 @@ class FastBackend:
         if self._numba is None and self._numba_error is None:
             with self._lock:
                 if self._numba is None and self._numba_error is None:
-                    from . import numba_engine
-
                     try:
                         self._numba = numba_engine.NumbaEngine()
                     except ImportError as err:
@@ -175,8 +173,6 @@ class FastBackend:
 
     def _fall_back(self, program, err, what):
         """Record that ``program`` runs on the torch engine, and warn once per cause."""
-        from .numba_engine import INSTALL_HINT
-
         with self._lock:
             if program is not None:
                 self._failed[program] = err
@@ -184,15 +180,15 @@ class FastBackend:
             if cause in self._warned:
                 return
             self._warned.add(cause)
-        if what == "import":
-            fix = f"to step at full speed, {INSTALL_HINT}"
+        if program is None:  # numba cannot be imported
+            fix = f"to step at full speed, {numba_engine.INSTALL_HINT}"
         else:
             fix = "please report it with the program below; set backend='fast:torch' to silence this"
         msg = (
             f"roundpipe.optim backend='fast': the numba engine {what} ({cause}); stepping with the "
             f"torch engine instead (the same results bit for bit, slower). Fix: {fix}."
         )
-        if program is not None and what != "import":
+        if program is not None:
             msg += f"\nprogram:\n{program}"
         logger.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=5)
@@ -201,12 +197,10 @@ class FastBackend:
     def prepare(self, program, scalars, columns, cache):
         """Everything needed to run ``program`` on ``columns``; returns the launch (see
         ``backends``). Nothing is written here."""
-        from . import numba_engine
-
         engine, chosen = engine_setting(self._engine)
         if engine == "numba":
             try:
-                numba = self.numba_engine()
+                numba = self._numba or self.numba_engine()
             except ImportError as err:
                 if chosen:
                     raise

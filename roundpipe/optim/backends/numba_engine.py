@@ -98,7 +98,7 @@ import torch
 from .. import threads
 from ..spec.ir import Assign, Let
 from . import Checked, CompileCache, segments
-from .formulas import Lowering, lerp_variant, lerp_weights, scalar_env
+from .formulas import Lowering, lerp_complement_var, lerp_variant, lerp_weights, scalar_env, scalar_var
 
 logger = logging.getLogger("roundpipe.optim")
 
@@ -563,7 +563,7 @@ def _probe_kind() -> str:
 # ---------------------------------------------------------------------------------------------
 # compilation and the on-disk cache
 
-_warned_readonly = False
+_warned_readonly = False  # process-wide, unlocked: a race can at worst warn twice
 _modules: dict = {}  # module name -> module (or namespace) holding the kernel function
 _modules_lock = threading.Lock()
 
@@ -744,6 +744,7 @@ def _compile(numba, program, variant, fused, sqrt="routine") -> NumbaKernel:
 # the engine
 
 _F32_DTYPE = torch.float32
+_F32_ONE = np.float32(1.0)
 
 
 class KernelCompileError(RuntimeError):
@@ -778,6 +779,11 @@ class NumbaEngine:
         """Everything a launch over ``columns`` needs (kernels compiled, the address table,
         the scalars' rows, the partition), or an exception; returns ``launch()``, which only
         runs the kernels. See ``backends.Backend``."""
+        steady = cache.get("steady")
+        if steady is not None and steady.program is program and type(scalars) is dict:
+            launch = steady.rebind(self, scalars, columns)
+            if launch is not None:
+                return launch
         params = columns["param"]
         weights = lerp_weights(program)
         by_variant: dict = {}
@@ -808,18 +814,13 @@ class NumbaEngine:
                 raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
             bounds, items = table.partition(nthreads, bucket)
             calls.append((hit[1], bounds, items, bucket, sv))
-        ptrs, sqrt_fn = table.ptrs, self.sqrt_fn
-
-        def launch():
-            try:
-                with _keep_torch_threads():
-                    if nthreads > 1 and self._numba.get_num_threads() != nthreads:
-                        self._numba.set_num_threads(nthreads)  # thread-local in numba
-                    for dispatcher, bounds, items, bucket, sv in calls:
-                        dispatcher(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn)
-            finally:
-                table.release_volatile()
-
+        launch = _launcher(self._numba, nthreads, calls, table, self.sqrt_fn)
+        if len(calls) == 1 and type(scalars) is dict:
+            # the next step with the same program, lerp variant, threads and tensors (all but
+            # the gradients) only writes its scalars into this row and its gradients' addresses
+            cache["steady"] = _Steady(program, weights, variant, nthreads, table, hit[0], calls[0][4], launch)
+        else:
+            cache.pop("steady", None)
         return launch
 
     def run(self, program, scalars, columns, cache=None):
@@ -844,6 +845,77 @@ class NumbaEngine:
     def _threads(self, total: int) -> int:
         n = min(threads.get_num_threads(), self._numba.config.NUMBA_NUM_THREADS, total // PARALLEL_MIN_NUMEL)
         return max(1, n)
+
+
+def _launcher(numba, nthreads, calls, table, sqrt_fn):
+    ptrs = table.ptrs
+    get_torch_threads = torch.get_num_threads
+
+    def launch():
+        torch_threads = get_torch_threads()
+        try:
+            if nthreads > 1 and numba.get_num_threads() != nthreads:
+                numba.set_num_threads(nthreads)  # thread-local in numba
+            for dispatcher, bounds, items, bucket, sv in calls:
+                dispatcher(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn)
+        finally:
+            table.release_volatile()
+            if get_torch_threads() != torch_threads:  # see _keep_torch_threads
+                torch.set_num_threads(torch_threads)
+
+    return launch
+
+
+class _Steady:
+    """What a launch of one program over one segment of scalars keeps for the next step (in
+    the plan's cache, so one optimizer's: never shared between threads): when the program,
+    the lerp variant, the thread count and every column but the gradients are the same, a
+    step's prepare is writing its scalars into the row ``sv`` and its gradients' addresses."""
+
+    __slots__ = ("program", "weights", "variant", "nthreads", "table", "sv", "launch", "names", "complements")
+
+    def __init__(self, program, weights, variant, nthreads, table, kernel, sv, launch):
+        self.program = program
+        self.weights = weights
+        self.variant = variant
+        self.nthreads = nthreads
+        self.table = table
+        self.sv = sv
+        self.launch = launch
+        # the row's scalars (scalar_env's variables, in the kernel's order), by scalar name;
+        # a lerp complement (1 - w, in float32) by (position, weight); the constants stay
+        self.names, self.complements = [], []
+        for pos, var in enumerate(kernel.source.scalars):
+            weight = next((w for w in weights if var == lerp_complement_var(w)), None)
+            if weight is not None:
+                self.complements.append((pos, weight))
+                self.names.append(None)
+            else:
+                name = var.removeprefix("s_")
+                assert var == scalar_var(name)
+                self.names.append(name)
+
+    def rebind(self, engine, scalars, columns):
+        """The launch for this step, or None when something differs (the full prepare runs)."""
+        table = self.table
+        if columns["param"] is not table.params:
+            return None
+        weights = self.weights
+        if weights and lerp_variant(scalars, weights) != self.variant:
+            return None
+        if engine._threads(table.total) != self.nthreads:
+            return None
+        # what scalar_env() and sv_row() compute, without their dicts (KeyError: a scalar is
+        # missing, as there)
+        row = [0.0 if n is None else scalars[n] for n in self.names]
+        for pos, w in self.complements:
+            row[pos] = _F32_ONE - np.float32(scalars[w])
+        for r, name in enumerate(table.names):
+            table.update(r, columns[name])
+        # float32 on assignment, as scalar_env's; the previous step's launch has run (a plan
+        # steps in one thread)
+        self.sv[0, : len(row)] = row
+        return self.launch
 
 
 def _nothing():
@@ -923,6 +995,8 @@ def kernel_source(program, variant=None, fused=None) -> str:
 # ``call_sqrt_at`` (torch's sqrt routine, called through its address), ``sqrt4``/``sqrt8``/
 # ``sqrt8_fma`` (MKL's sqrt sequence, ``_sqrtv``)
 
+# Built once, then read-only; unlocked: threads racing on the first build each make an equal
+# set, and the dict ends holding one (``update`` is atomic under the GIL).
 _intrinsics: dict = {}
 
 

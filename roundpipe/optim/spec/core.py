@@ -20,7 +20,9 @@ Each optimizer module in this package (``adam.py``, ``sgd.py`` ...) defines one
 ``scalars(group, state)``
     the per-parameter Python part of a step, written as torch writes it: advances the 0-d
     state tensors in ``state`` (which holds only the ``scalar_state`` entries) and returns the
-    per-step scalars in Python double precision (bias corrections, step sizes). Entries whose
+    per-step scalars in Python double precision (bias corrections, step sizes). A ``step``
+    entry may be a :class:`Scratch` (its value, rounded as the tensor would be) instead of a
+    tensor: only ``+= 1`` and ``advance_step`` may touch it. Entries whose
     value is a ``bool`` are *flags*: they join the options to select the program for this step
     (RAdam's rectification, ASGD's ``mu == 1``; declared in ``flags``). It sees nothing but the
     group and the 0-d state, so parameters whose 0-d state is equal get equal scalars: the step loop calls it
@@ -37,6 +39,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _get_value, _to_scalar
 
@@ -103,4 +106,29 @@ def advance_step(state) -> float:
     """torch's ``step_t += 1`` on the 0-d ``state["step"]`` (in place), then its value."""
     step_t = state["step"]
     step_t += 1
+    if type(step_t) is Scratch:
+        return step_t.value
     return value(step_t)
+
+
+class Scratch:
+    """A float 0-d state entry (``step``) while a step computes its scalars: its value as a
+    Python float, rounded to the entry's dtype after an update exactly as torch's in-place op
+    on the 0-d tensor rounds (``step_t += 1`` on float32 is the float32 sum: the double sum of
+    a float32 and 1 is exact, and rounds once). The step plan gives these to ``scalars`` in
+    place of clones of the tensors when ``step`` is the only 0-d state: two tensor ops cost
+    about 10 us, which a step of one small parameter would pay every time."""
+
+    __slots__ = ("value", "dtype")
+
+    def __init__(self, value: float, dtype):
+        self.value = value
+        self.dtype = dtype
+
+    def __iadd__(self, other):
+        v = self.value + other
+        self.value = float(np.float32(v)) if self.dtype is torch.float32 else float(v)
+        return self
+
+    def __repr__(self):
+        return f"Scratch({self.value!r}, {self.dtype})"

@@ -1,28 +1,34 @@
-"""Demo: train a small GPT-style language model with torch's AdamW and roundpipe's, side by side.
+"""Demo: train a small GPT-style language model with roundpipe's AdamW and torch's, side by side.
 
-    python -m roundpipe.demo [--steps 30] [--threads N] [--backend fast] [--small]
+    python -m roundpipe.demo [--steps 30] [--threads N] [--backend fast] [--compare fast:torch,...]
+                             [--small]
 
-Identical copies of one model (token and position embeddings, pre-LayerNorm transformer
-blocks with separate q/k/v/o projections, an untied output head: about 29M parameters in 69
-tensors, from 8M-element matrices down to 512-element biases and LayerNorm weights) train on
-the same synthetic token stream (a random successor table: each token is followed by one of 4
-tokens, so there is something to learn; nothing is downloaded), each with its own AdamW:
+Identical copies of one model (``build_model``: token and position embeddings, pre-LayerNorm
+transformer blocks with separate q/k/v/o projections, an untied output head: about 29M
+parameters in 69 tensors, from 8M-element matrices down to 512-element biases and LayerNorm
+weights) train on the same synthetic token stream (a random successor table: each token is
+followed by one of 4 tokens, so there is something to learn; nothing is downloaded), each with
+its own AdamW, in this order:
 
-* ``torch for-loop``: ``torch.optim.AdamW(foreach=False)``, torch's default for CPU tensors;
+* ``roundpipe fast``: ``roundpipe.optim.AdamW`` on its default backend, ``fast`` (the numba
+  engine: one compiled pass per step; the header says which engine it runs), or ``--backend``;
 * ``torch fused``: ``torch.optim.AdamW(fused=True)``, torch's fused CPU kernel;
-* ``roundpipe <backend>``: ``roundpipe.optim.AdamW``, default backend (``fast``) or ``--backend``;
-* ``roundpipe native``: ``backend="native"``, where numba is installed.
+* ``torch for-loop``: ``torch.optim.AdamW(foreach=False)``, torch's default for CPU tensors;
+* ``roundpipe <backend>`` for each ``--compare`` backend (e.g. ``fast:torch,fast:numexpr``;
+  default none).
 
 Every step, each copy runs its forward and backward pass on the same batch and then its
 optimizer step; the order of the copies rotates from step to step, so machine noise hits them
 alike. The demo times the forward+backward pass and the ``optimizer.step()`` of each copy and
-prints the medians side by side and the speedups over torch's for-loop. Then the parameter
-match: one step of each optimizer from the for-loop copy's final parameters, gradients and
-state, against the for-loop's step (a roundpipe step must pass ``torch.testing.assert_close``,
-else the exit status is 1), and how far the trained copies ended up from the for-loop copy.
-Copies whose steps differ in the last bits drift apart during training (their gradients
-differ, and Adam turns tiny gradient differences into steps of about lr); torch fused shows
-the scale. Every number printed is measured in this run.
+prints the medians side by side, the speedups of each roundpipe copy over torch fused and over
+torch's for-loop. Then the match: one step of each optimizer from the for-loop copy's final
+parameters, gradients and state, against the for-loop's step, parameters and state compared
+bit for bit (a backend that claims torch's for-loop bit for bit, ``backends.get(name).exact``,
+must be; any other must pass ``torch.testing.assert_close``; else the exit status is 1), and
+how far the trained copies ended up from the for-loop copy. Copies whose steps differ in the
+last bits drift apart during training (their gradients differ, and Adam turns tiny gradient
+differences into steps of about lr); torch fused shows the scale. Every number printed is
+measured in this run.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundpipe import optim as rp_optim
+from roundpipe.optim import backends as rp_backends
+from roundpipe.optim.bench.engine import FallbackWatch, fast_engine
+from roundpipe.optim.bench.workloads import bits_mismatch
 
 # (vocab, width, layers, heads, context, batch): the default model, and --small's (for tests)
 SIZES = {"default": (16384, 512, 4, 8, 64, 2), "small": (512, 64, 2, 4, 16, 2)}
@@ -99,30 +108,50 @@ def synthetic_tokens(vocab: int, context: int, sequences: int, gen: torch.Genera
     return tokens
 
 
-def optimizer_kinds(backend: str | None, with_native: bool) -> dict:
-    """name -> a function that makes that AdamW for some parameters; a roundpipe name carries
-    the backend actually used (``roundpipe fast``)."""
-    kinds = {
-        LOOP: torch_for_loop,
-        FUSED: lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
-    }
+def build_model(size: str = "default") -> GPT:
+    """The demo's model, ``"default"`` or ``"small"`` (``SIZES``; small: for tests), initialised
+    from torch's global generator."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; valid: {', '.join(SIZES)}")
+    vocab, d, layers, heads, context, _ = SIZES[size]
+    return GPT(vocab, d, layers, heads, context)
+
+
+def roundpipe_adamw(backend: str):
+    return lambda ps: rp_optim.AdamW(ps, backend=backend, **HYPER)
+
+
+def optimizer_kinds(backend: str | None, compare=()) -> dict:
+    """name -> a function that makes that AdamW for some parameters, in the demo's order:
+    roundpipe's default (or ``backend``), torch fused, torch's for-loop, then each ``compare``
+    backend. A roundpipe name carries the backend actually used (``roundpipe fast``).
+    ValueError for an unknown backend, ImportError for one that cannot load here."""
     probe = [nn.Parameter(torch.zeros(1))]
     chosen = rp_optim.AdamW(probe, backend=backend).backend  # None: the environment, else "fast"
-    kinds[f"roundpipe {chosen}"] = lambda ps: rp_optim.AdamW(ps, backend=chosen, **HYPER)
-    if with_native and chosen != "native":
-        try:
-            rp_optim.AdamW(probe, backend="native")
-        except ImportError as e:
-            print(f"(roundpipe native left out: {e})")
-        else:
-            kinds["roundpipe native"] = lambda ps: rp_optim.AdamW(ps, backend="native", **HYPER)
+    kinds = {
+        f"roundpipe {chosen}": roundpipe_adamw(chosen),
+        FUSED: lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
+        LOOP: torch_for_loop,
+    }
+    for b in compare:
+        name = rp_optim.AdamW(probe, backend=b).backend  # an alias (native) resolved
+        kinds.setdefault(f"roundpipe {name}", roundpipe_adamw(name))
     return kinds
 
 
-def one_step_check(make, model: nn.Module, opt) -> tuple[float, str | None]:
+def engine_label(backend: str, fallbacks=()) -> str:
+    """``fast: numba engine`` (plain ``fast`` names the engine it ran), else the backend name."""
+    if backend != "fast":
+        return backend
+    info = fast_engine(fallbacks)
+    return f"fast: {info['engine']} engine" + (" with fallbacks" if info["fell_back"] else "")
+
+
+def one_step_check(make, model: nn.Module, opt) -> tuple[float, bool, str | None]:
     """From ``model``'s parameters and gradients and ``opt``'s state (the for-loop copy's), one
     step with torch's for-loop and one with ``make``'s optimizer: (max abs difference of the
-    parameters, None or the mismatch that ``torch.testing.assert_close`` reports)."""
+    parameters, whether parameters and every state tensor are equal bit for bit, None or the
+    mismatch that ``torch.testing.assert_close`` reports)."""
     stepped = []
     for factory in (torch_for_loop, make):
         m = copy.deepcopy(model)
@@ -131,14 +160,23 @@ def one_step_check(make, model: nn.Module, opt) -> tuple[float, str | None]:
         o = factory(m.parameters())
         o.load_state_dict(copy.deepcopy(opt.state_dict()))
         o.step()
-        stepped.append(m)
-    diff = max_abs_diff(*stepped)
-    try:
-        for p, q in zip(stepped[1].parameters(), stepped[0].parameters(), strict=True):
-            torch.testing.assert_close(p.detach(), q.detach())
-    except AssertionError as e:
-        return diff, str(e)
-    return diff, None
+        stepped.append((m, o))
+    (ref_model, ref_opt), (got_model, got_opt) = stepped
+    pairs = []
+    for p, q in zip(got_model.parameters(), ref_model.parameters(), strict=True):
+        pairs.append((f"param {tuple(q.shape)}", p.detach(), q.detach()))
+        for key, v in ref_opt.state[q].items():
+            if isinstance(v, torch.Tensor):
+                pairs.append((f"state {key!r} {tuple(q.shape)}", got_opt.state[p][key], v))
+    bitwise = all(bits_mismatch(a, b) is None for _, a, b in pairs)
+    mismatch = None
+    if not bitwise:
+        try:
+            for what, a, b in pairs:
+                torch.testing.assert_close(a, b, msg=lambda m, what=what: f"{what}: {m}")
+        except AssertionError as e:
+            mismatch = str(e)
+    return max_abs_diff(got_model, ref_model), bitwise, mismatch
 
 
 def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
@@ -159,9 +197,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m roundpipe.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument(
-        "--backend", default=None, help="roundpipe backend (default: fast, or the environment's)"
+        "--backend", default=None, help="roundpipe's backend (default: fast, or the environment's)"
     )
-    parser.add_argument("--no-native", action="store_true", help="leave out the native copy")
+    parser.add_argument(
+        "--compare",
+        default="",
+        metavar="BACKEND[,BACKEND]",
+        help=f"more roundpipe copies on these backends, from {','.join(rp_backends.NAMES)} "
+        "(e.g. fast:torch,fast:numexpr; default none)",
+    )
     parser.add_argument(
         "--threads", type=int, help="set torch's (and so roundpipe's) and numexpr's thread counts"
     )
@@ -175,17 +219,18 @@ def main(argv=None) -> int:
             parser.error("--threads must be at least 1")
         torch.set_num_threads(args.threads)
         numexpr.set_num_threads(args.threads)
-
+    compare = [b.strip() for b in args.compare.split(",") if b.strip()]
     try:
-        kinds = optimizer_kinds(args.backend, with_native=not args.no_native)
-    except (ValueError, ImportError) as e:  # an unknown backend, or native without numba
+        kinds = optimizer_kinds(args.backend, compare)
+    except (ValueError, ImportError) as e:  # an unknown backend, or fast:numba without numba
         parser.error(str(e))
 
-    vocab, d, layers, heads, context, batch = SIZES["small" if args.small else "default"]
+    size = "small" if args.small else "default"
+    vocab, d, layers, heads, context, batch = SIZES[size]
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
     data = synthetic_tokens(vocab, context, 64 * batch, gen)
-    model = GPT(vocab, d, layers, heads, context)
+    model = build_model(size)
     sizes = sorted(p.numel() for p in model.parameters())
     runs = {}
     for name, make in kinds.items():
@@ -193,45 +238,50 @@ def main(argv=None) -> int:
         runs[name] = (m, make(m.parameters()))
     del model
     names = list(runs)
+    default = names[0]
 
     load = f"; load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
+    chosen = default.removeprefix("roundpipe ")
+    copy_note = "" if chosen == rp_backends.DEFAULT else f"; this run's first copy: backend {chosen!r}"
     print(
         f"GPT-style language model: vocab {vocab}, d {d}, {layers} layers, {heads} heads, context "
         f"{context}; {sum(sizes):,} parameters in {len(sizes)} tensors ({sizes[0]:,} to {sizes[-1]:,} "
         f"elements)\nsynthetic tokens (each token followed by one of {SUCCESSORS}), batch {batch} x "
         f"{context}; {args.steps} steps of AdamW(lr={HYPER['lr']}, betas={HYPER['betas']}, "
         f"weight_decay={HYPER['weight_decay']}) per copy\nthreads: torch {torch.get_num_threads()}, "
-        f"roundpipe {rp_optim.get_num_threads()}, numexpr {numexpr.get_num_threads()}{load}"
+        f"roundpipe {rp_optim.get_num_threads()}, numexpr {numexpr.get_num_threads()}{load}\n"
+        f"roundpipe's default backend: {fast_engine()['text']}{copy_note}"
     )
     print(" | ".join(["step"] + [f"loss {n}" for n in names]))
 
     step_s = {n: [] for n in names}
     fwd_s = {n: [] for n in names}
     losses: dict = {}
-    for step in range(args.steps):
-        idx = torch.randint(0, data.shape[0], (batch,), generator=gen)
-        x, y = data[idx, :-1], data[idx, 1:]
-        for k in range(len(names)):
-            name = names[(step + k) % len(names)]  # rotate who goes first
-            model, opt = runs[name]
-            opt.zero_grad()
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            fwd_s[name].append(t1 - t0)
-            step_s[name].append(t2 - t1)
-            losses[name] = loss.item()
-        if step % 5 == 0 or step == args.steps - 1:
-            print(" | ".join([f"{step:>4}"] + [f"{losses[n]:>{len(n) + 5}.5f}" for n in names]))
+    with FallbackWatch() as watch:
+        for step in range(args.steps):
+            idx = torch.randint(0, data.shape[0], (batch,), generator=gen)
+            x, y = data[idx, :-1], data[idx, 1:]
+            for k in range(len(names)):
+                name = names[(step + k) % len(names)]  # rotate who goes first
+                model, opt = runs[name]
+                opt.zero_grad()
+                t0 = time.perf_counter()
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+                t1 = time.perf_counter()
+                opt.step()
+                t2 = time.perf_counter()
+                fwd_s[name].append(t1 - t0)
+                step_s[name].append(t2 - t1)
+                losses[name] = loss.item()
+            if step % 5 == 0 or step == args.steps - 1:
+                print(" | ".join([f"{step:>4}"] + [f"{losses[n]:>{len(n) + 5}.5f}" for n in names]))
 
-    loop_model, loop_opt = runs[LOOP]
-    med_step = {n: statistics.median(step_s[n]) for n in names}
-    med_fwd = {n: statistics.median(fwd_s[n]) for n in names}
-    drift = {n: max_abs_diff(runs[n][0], loop_model) for n in names}
-    checks = {n: one_step_check(kinds[n], loop_model, loop_opt) for n in names if n != LOOP}
+        loop_model, loop_opt = runs[LOOP]
+        med_step = {n: statistics.median(step_s[n]) for n in names}
+        med_fwd = {n: statistics.median(fwd_s[n]) for n in names}
+        drift = {n: max_abs_diff(runs[n][0], loop_model) for n in names}
+        checks = {n: one_step_check(kinds[n], loop_model, loop_opt) for n in names if n != LOOP}
 
     def equal_or(x: float) -> str:
         return "bitwise equal" if x == 0 else f"{x:.2e}"
@@ -242,6 +292,7 @@ def main(argv=None) -> int:
             f"{med_step[n] * 1e3:.1f}",
             f"{med_fwd[n] * 1e3:.1f}",
             f"{100 * med_step[n] / (med_step[n] + med_fwd[n]):.0f}%",
+            f"{med_step[FUSED] / med_step[n]:.2f}x",
             f"{med_step[LOOP] / med_step[n]:.2f}x",
             "-" if n == LOOP else equal_or(checks[n][0]),
             "-" if n == LOOP else equal_or(drift[n]),
@@ -253,36 +304,44 @@ def main(argv=None) -> int:
         "step ms",
         "fwd+bwd ms",
         "step share",
-        "step speedup",
+        "vs fused",
+        "vs for-loop",
         "1-step diff",
         f"diff after {args.steps} steps",
     ]
     print()
     print(table(header, rows))
     print(
-        "step speedup: for-loop step / step; diffs: max |param - torch for-loop's|, after one step from the "
-        "for-loop copy's final state, and between the trained copies"
+        "vs fused, vs for-loop: that step's median / this step's median; diffs: max |param - torch "
+        "for-loop's|, after one step from the for-loop copy's final state, and between the trained copies"
     )
     print()
-    for n in names:
-        if n.startswith("roundpipe"):
-            backend = n.removeprefix("roundpipe ")
-            over_loop, over_fused = med_step[LOOP] / med_step[n], med_step[FUSED] / med_step[n]
-            print(
-                f"speedup of roundpipe ({backend}) over torch's default (for-loop) AdamW: "
-                f"{over_loop:.2f}x (over torch fused: {over_fused:.2f}x)"
-            )
+    roundpipe = [n for n in names if n.startswith("roundpipe ")]
+    for n in roundpipe:
+        label = engine_label(n.removeprefix("roundpipe "), watch.messages)
+        print(
+            f"speedup of roundpipe ({label}) over torch fused AdamW: {med_step[FUSED] / med_step[n]:.2f}x "
+            f"(over torch's default for-loop: {med_step[LOOP] / med_step[n]:.2f}x)"
+        )
+    if watch.messages:
+        print(f"note: {fast_engine(watch.messages)['text']}")
     status = 0
-    for n in names:
-        if not n.startswith("roundpipe"):
-            continue
-        diff, mismatch = checks[n]
-        if mismatch:
-            print(f"MISMATCH: one {n} step differs from torch's for-loop step:\n{mismatch}", file=sys.stderr)
+    for n in roundpipe:
+        diff, bitwise, mismatch = checks[n]
+        exact = bool(getattr(rp_backends.get(n.removeprefix("roundpipe ")), "exact", False))
+        if bitwise:
+            print(f"{n}: a step is bitwise equal to torch's for-loop step (parameters and state)")
+        elif mismatch or exact:
+            claim = " (this backend claims bit for bit)" if exact else ""
+            print(f"MISMATCH: one {n} step differs from torch's for-loop step{claim}:", file=sys.stderr)
+            print(mismatch or f"max abs difference of the parameters {diff:.2e}", file=sys.stderr)
+            print(f"{n}: a step is NOT equal to torch's for-loop step{claim}")
             status = 1
         else:
-            how = "bitwise equal" if diff == 0 else f"assert_close, max abs difference {diff:.2e}"
-            print(f"{n}: a step matches torch's for-loop step ({how})")
+            print(
+                f"{n}: a step is not bitwise equal to torch's for-loop step but close (assert_close; "
+                f"max abs difference of the parameters {diff:.2e})"
+            )
     if any(drift[n] for n in names):
         print(
             "(copies whose steps differ in the last bits drift apart in training: their gradients differ, "

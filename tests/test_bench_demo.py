@@ -1,4 +1,5 @@
-"""The benchmark and the demo still run (tiny configurations, a few seconds each; no timings).
+"""The benchmark (``roundpipe/optim/bench/``) and the demo still run (tiny configurations, a few
+seconds each; no timings are asserted).
 
 Neither is given ``--threads``: that would set numexpr's thread count for the tests after these.
 """
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from roundpipe import demo
+from roundpipe.optim import backends as rp_backends
 from roundpipe.optim import bench
+from roundpipe.optim.bench import cli, first_use, workloads
 
 
 def test_traffic_is_derived_from_the_programs():
@@ -23,11 +26,24 @@ def test_traffic_is_derived_from_the_programs():
     assert bench.bytes_per_element("ASGD") == (16, ("param", "grad"), ("param", "ax"))
 
 
-def test_backends_all_expands_to_every_engine():
-    names = bench._backends("fast,all")
-    assert names[0] == "fast"
-    native = bench._loads("native") is None  # numba installed
-    assert names[1:] == [b for b in bench.ALL_BACKENDS if b != "native" or native]
+def test_backend_names():
+    assert bench.ALL_BACKENDS == ("fast", "fast:torch", "fast:numexpr", "reference")
+    # all: every engine once, the default first, wherever it was named
+    assert bench._backends("reference,all") == ["fast", "reference", "fast:torch", "fast:numexpr"]
+    assert bench._backends("fast:numexpr,fast") == ["fast", "fast:numexpr"]
+    assert bench._backends("native") == ["fast:numba"]  # the old name of fast:numba
+    with pytest.raises(Exception, match="unknown backend 'auto'"):
+        bench._backends("auto")
+    assert cli.parse_args([]).backends == ["fast"]
+
+
+def test_help_names_every_mode(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--busy", "--first-use", "--model", "--plot", "--json", "per_param"):
+        assert option in text
 
 
 def test_busy_processes_run_and_stop():
@@ -53,41 +69,159 @@ def test_busy_processes_stop_on_error():
         os.kill(pids[0], 0)
 
 
-def test_bench_runs(tmp_path, capsys):
+def test_bench_runs(tmp_path, capsys, monkeypatch):
+    # the small workload's name, a few tensors (its 2,006 take seconds on torch's for-loop)
+    assert len(bench.workload_parts("small", quick=True)[0].shapes) == 2006
+    tiny = bench.Workload("small", "3 tensors", ((3,), (100,), (5, 7)))
+    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
     out = tmp_path / "bench.json"
-    argv = "--quick --optimizers SGD --workloads small --backends fast,reference --busy 1"
+    argv = "--quick --optimizers SGD --workloads small --backends reference,fast --busy 1"
     argv += f" --repeats 1 --warmup 0 --json {out}"
     assert bench.main(argv.split()) == 0
     text = capsys.readouterr().out
     assert "busy: 1 other process" in text
+    assert f"default backend: {bench.fast_engine()['text']}" in text
     assert "speedup over torch for-loop" in text
     assert "thread pools after the run (threadpoolctl): " in text  # torch's OpenMP pool at least
     result = json.loads(out.read_text())
     assert result["meta"]["busy"] == 1
+    assert result["meta"]["backends"] == ["fast", "reference"]  # the default first
+    kinds = result["meta"]["check_kind"]
+    assert kinds == {b: "bit for bit" if rp_backends.get(b).exact else "close" for b in ("fast", "reference")}
+    assert kinds["reference"] == "bit for bit"
+    assert "reference bit for bit (integer views, NaN by position)" in text.replace("fast, ", "")
     rows = result["workloads"]["small"]["optimizers"]
     assert rows["SGD"]["bytes_per_element"] == 20
     assert rows["SGD"]["checks"] == {"fast": "ok", "reference": "ok"}
-    assert set(rows["SGD"]["median_ms"]) == {"for-loop", "foreach", "fused", "fast", "reference"}
+    assert list(rows["SGD"]["median_ms"]) == ["fast", "reference", "for-loop", "foreach", "fused"]
 
 
-def test_check_reports_a_mismatch(monkeypatch):
+def test_per_param_workload(tmp_path, capsys, monkeypatch):
+    # the real parts: 256 one-tensor optimizers of 4Ki elements, and 4 of 2Mi (quick) / 4Mi
+    small, large = bench.workload_parts("per_param", quick=True)
+    assert (small.name, small.per_param, small.shapes) == ("per_param_small", True, ((4096,),) * 256)
+    assert (large.name, large.shapes) == ("per_param_large", ((2 * 2**20,),) * 4)
+    assert bench.workload_parts("per_param_large", quick=False)[0].shapes == ((4 * 2**20,),) * 4
+    # a tiny one through the whole run: 8 optimizers of one 64-element tensor each
+    tiny = bench.Workload("per_param_small", "8 one-parameter optimizers", ((64,),) * 8, per_param=True)
+    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    out = tmp_path / "bench.json"
+    argv = "--quick --optimizers SGD,Adam --workloads per_param --backends fast,fast:numexpr"
+    argv += f" --repeats 1 --warmup 0 --json {out}"
+    assert bench.main(argv.split()) == 0
+    text = capsys.readouterr().out
+    assert "median ms per step (8 step() calls each):" in text
+    assert "us per step() call (median / 8 calls):" in text
+    assert "fast:numexpr close (torch.testing.assert_close)" in text
+    res = json.loads(out.read_text())["workloads"]["per_param_small"]
+    assert res["per_param"] is True and res["tensors"] == 8
+    for name in ("SGD", "Adam"):
+        row = res["optimizers"][name]
+        assert list(row["median_ms"]) == ["fast", "fast:numexpr", "for-loop", "fused"]  # no foreach
+        assert row["checks"] == {"fast": "ok", "fast:numexpr": "ok"}
+        assert row["fast"]["us_per_step_call"] == pytest.approx(row["median_ms"]["fast"] * 1e3 / 8)
+    opt = bench.make_optimizer(
+        "rp fast", "SGD", bench.clone_params([torch.ones(3)] * 5, [torch.ones(3)] * 5), True
+    )
+    assert len(opt.optimizers) == 5 and all(len(o.param_groups[0]["params"]) == 1 for o in opt.optimizers)
+
+
+def test_bits_mismatch():
+    x = torch.tensor([1.0, float("nan"), 0.0])
+    assert bench.bits_mismatch(x, x.clone()) is None  # NaN meets NaN
+    assert "1 of 3 elements differ" in bench.bits_mismatch(x, torch.tensor([1.0, float("nan"), -0.0]))
+    assert bench.bits_mismatch(x, torch.tensor([1.0, 2.0, 0.0])) is not None  # NaN vs a number
+    assert bench.bits_mismatch(x, x.double()).startswith("dtype/shape")
+
+
+def test_check_is_bitwise_where_the_backend_claims_it(monkeypatch):
     params, grads = [torch.ones(3), torch.ones(2, 2)], [torch.ones(3), torch.ones(2, 2)]
     assert bench.check("SGD", "reference", params, grads) is None
-    make = bench.make_optimizer
+    assert bench.check("SGD", "fast:numexpr", params, grads, per_param=True) is None
+    make = workloads.make_optimizer
 
-    def wrong_lr(config, name, ps):
+    class OneUlpOff:  # torch's SGD, then the last element of the second parameter one ulp up
+        def __init__(self, ps):
+            self.opt, self.ps = torch.optim.SGD(ps, lr=1e-3, momentum=0.9), ps
+            self.state = self.opt.state
+
+        def step(self):
+            self.opt.step()
+            with torch.no_grad():
+                p = self.ps[1].view(-1)
+                p[-1] = torch.nextafter(p[-1], torch.tensor(float("inf")))
+
+    def off(config, name, ps, per_param=False):
+        return make(config, name, ps) if config == bench.LOOP else OneUlpOff(ps)
+
+    monkeypatch.setattr(workloads, "make_optimizer", off)
+    assert workloads.exact("reference") and not workloads.exact("fast:numexpr")
+    msg = bench.check("SGD", "reference", params, grads)  # bit for bit: caught
+    assert msg.startswith("AssertionError: param 1: 1 of 4 elements differ in their bits; first at 3"), msg
+    assert bench.check("SGD", "fast:numexpr", params, grads) is None  # close: within assert_close
+
+    def wrong_lr(config, name, ps, per_param=False):
         return make(config, name, ps) if config == bench.LOOP else torch.optim.SGD(ps, lr=0.5, momentum=0.9)
 
-    monkeypatch.setattr(bench, "make_optimizer", wrong_lr)
-    msg = bench.check("SGD", "reference", params, grads)
-    assert msg.startswith("AssertionError") and "param 0" in msg
+    monkeypatch.setattr(workloads, "make_optimizer", wrong_lr)
+    msg = bench.check("SGD", "fast:numexpr", params, grads)
+    assert msg.startswith("AssertionError: param 0: ") and "Mismatched elements" in msg
+
+
+def test_first_use_small(tmp_path, capsys, monkeypatch):
+    """--first-use on the demo's small model: 3 fresh interpreters (one import, cold, warm); ~10 s."""
+    monkeypatch.setattr(first_use, "IMPORT_RUNS", 1)
+    out = tmp_path / "first_use.json"
+    assert bench.main(["--first-use", "--model", "small", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "import roundpipe.optim beyond import torch" in text
+    assert "first step, cold kernel cache" in text and "first step, warm kernel cache" in text
+    res = json.loads(out.read_text())["first_use"]
+    assert res["model"] == "small" and res["backend"] == "fast"
+    assert res["tensors"] == len(list(demo.build_model("small").parameters()))
+    assert len(res["cold_steps_s"]) == len(res["warm_steps_s"]) == first_use.STEPS
+    assert len(res["import_samples_s"]) == 1
+    assert all(t > 0 for t in [res["import_s"], *res["cold_steps_s"], *res["warm_steps_s"]])
+    assert set(res["meets_goals"]) == set(first_use.GOALS)
+    assert res["engine"]["cold"]["engine"] == rp_backends.get("fast").engine()
+
+
+def test_demo_model():
+    vocab, d, layers, heads, context, _ = demo.SIZES["small"]
+    model = demo.build_model("small")
+    assert model.tok.weight.shape == (vocab, d) and len(model.blocks) == layers
+    with pytest.raises(ValueError, match="unknown model size"):
+        demo.build_model("huge")
+    kinds = demo.optimizer_kinds(None, ["native", "fast", "fast:torch"])
+    assert list(kinds) == [
+        "roundpipe fast",
+        demo.FUSED,
+        demo.LOOP,
+        "roundpipe fast:numba",  # native's new name
+        "roundpipe fast:torch",
+    ]
 
 
 def test_demo_runs(capsys):
-    assert demo.main(["--small", "--steps", "2", "--no-native"]) == 0
+    assert demo.main(["--small", "--steps", "2", "--compare", "fast:numexpr"]) == 0
     text = capsys.readouterr().out
-    assert "speedup of roundpipe (fast) over torch's default (for-loop) AdamW: " in text
-    assert "roundpipe fast: a step matches torch's for-loop step" in text
+    assert f"roundpipe's default backend: {bench.fast_engine()['text']}" in text
+    assert (
+        "step | loss roundpipe fast | loss torch fused | loss torch for-loop | loss roundpipe fast:numexpr"
+        in text
+    )
+    label = demo.engine_label("fast")
+    assert label == f"fast: {rp_backends.get('fast').engine()} engine"
+    assert f"speedup of roundpipe ({label}) over torch fused AdamW: " in text
+    assert "speedup of roundpipe (fast:numexpr) over torch fused AdamW: " in text
+    assert "(over torch's default for-loop: " in text
+    if rp_backends.get("fast").exact:
+        assert (
+            "roundpipe fast: a step is bitwise equal to torch's for-loop step (parameters and state)" in text
+        )
+    assert "roundpipe fast:numexpr: a step is" in text
+    with pytest.raises(SystemExit):
+        demo.main(["--small", "--steps", "1", "--compare", "bogus"])
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
@@ -96,10 +230,10 @@ def test_bench_fsdp_runs():
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "roundpipe.optim.bench_fsdp", "--optimizers", "SGD", "--backends", "fast"]
+    cmd = [sys.executable, "-m", "roundpipe.optim.bench_fsdp", "--optimizers", "SGD", "--backends", "native"]
     cmd += ["--workloads", "layers", "--repeats", "1", "--warmup", "0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_OPTIM_")}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split(" | ")[:2] for line in done.stdout.splitlines() if line.startswith("SGD | ")]
-    assert rows == [["SGD", "torch"], ["SGD", "fast"]], done.stdout
+    assert rows == [["SGD", "fast:numba"], ["SGD", "torch for-loop"]], done.stdout

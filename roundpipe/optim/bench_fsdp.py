@@ -1,11 +1,12 @@
 """A sharded (FSDP2) optimizer step next to an unsharded one of the same total size.
 
-    python -m roundpipe.optim.bench_fsdp [--optimizers Adam,SGD] [--backends fast,native]
+    python -m roundpipe.optim.bench_fsdp [--optimizers Adam,SGD] [--backends fast,fast:torch]
                                          [--workloads large,layers] [--repeats 7] [--warmup 2]
 
 Only ``opt.step()`` is timed (no forward or backward). For each workload, optimizer (with the
-main bench's options, ``bench.OPTIONS``) and engine (roundpipe backends, and torch's for-loop,
-``foreach=False``, which is what torch.optim uses for DTensors on the CPU):
+main bench's options, ``bench.OPTIONS``) and engine (the roundpipe backends, default ``fast``,
+then ``torch for-loop``: torch.optim with ``foreach=False``, which is what it uses for DTensors
+on the CPU):
 
 * ``unsharded N, W threads``: one process, plain tensors, all N elements, W = world size threads
   (the same cores the ranks use below);
@@ -28,7 +29,6 @@ Timings on a shared machine are noise: run it on an idle one.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import socket
 import statistics
@@ -36,6 +36,7 @@ import time
 import warnings
 
 WORLD_SIZE = 2
+TORCH = "torch for-loop"  # the engine column of torch.optim's own step
 WORKLOADS = {
     # 4 x 4M: large tensors, sharded on dim 0 into 2 x 2M
     "large": [(4096, 1024)] * 4,
@@ -58,7 +59,7 @@ def _make_opt(torch, name, engine, params):
     from roundpipe.optim.bench import OPTIONS
     from roundpipe.optim.spec import SPECS
 
-    if engine == "torch":
+    if engine == TORCH:
         return SPECS[name].torch_class(params, foreach=False, **OPTIONS[name])
     return getattr(roundpipe.optim, name)(params, backend=engine, **OPTIONS[name])
 
@@ -85,7 +86,7 @@ def _unsharded(args, engines):
         local = [(-(-s[0] // WORLD_SIZE), *s[1:]) for s in shapes]  # rank 0's shard shapes
         for name in args.optimizers:
             for engine in engines:
-                if engine == "torch" and name == "Rprop":
+                if engine == TORCH and name == "Rprop":
                     continue
                 for label, shp, threads in (
                     (f"unsharded N, {WORLD_SIZE} threads", shapes, WORLD_SIZE),
@@ -127,7 +128,7 @@ def _rank(rank, port, args, engines, out_dir):
         for wname in args.workloads:
             for name in args.optimizers:
                 for engine in engines:
-                    if engine == "torch" and name == "Rprop":
+                    if engine == TORCH and name == "Rprop":
                         continue  # torch 2.13's Rprop cannot step sharded DTensors
                     torch.manual_seed(0)
                     bag = torch.nn.Module()
@@ -159,24 +160,23 @@ def _rank(rank, port, args, engines, out_dir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--optimizers", default="Adam,SGD")
-    parser.add_argument("--backends", default=None, help="roundpipe backends (default: fast, native)")
+    parser.add_argument(
+        "--backends", default="fast", help="roundpipe backends, comma-separated, or all (default: fast)"
+    )
     parser.add_argument("--workloads", default="large,layers")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    from roundpipe.optim.backends import NAMES
-    from roundpipe.optim.bench import _names
+    from roundpipe.optim.bench import _backends, _names
     from roundpipe.optim.spec import SPECS
 
     try:
         args.optimizers = _names(args.optimizers, tuple(SPECS), "optimizer")
         args.workloads = _names(args.workloads, tuple(WORKLOADS), "workload")
-        backends = _names(args.backends, NAMES, "backend") if args.backends else None
+        backends = _backends(args.backends)  # native: fast:numba's old name; all: every engine
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
-    has_numba = importlib.util.find_spec("numba") is not None
-    backends = backends or ["fast"] + (["native"] if has_numba else [])
-    engines = ["torch", *backends]
+    engines = [*backends, TORCH]
     os.environ["OMP_NUM_THREADS"] = "1"  # the ranks; the unsharded runs set their own counts
     for var in ("ROUNDPIPE_OPTIM_BACKEND", "ROUNDPIPE_OPTIM_ENGINE", "ROUNDPIPE_OPTIM_NUM_THREADS"):
         os.environ.pop(var, None)

@@ -47,6 +47,7 @@ def run_program(program, scalars, tensors):
 
 class ReferenceBackend:
     name = "reference"
+    exact = True  # bit for bit torch.optim's for-loop: the same torch ops (conformance.cases.BIT_EXACT)
 
     def check_settings(self):
         pass

@@ -1,0 +1,150 @@
+"""Benchmark roundpipe.optim against torch.optim's CPU paths, side by side in one process.
+
+    python -m roundpipe.optim.bench [--quick] [--optimizers Adam,SGD] [--workloads small,per_param]
+                                    [--backends fast,fast:torch | all] [--busy N] [--repeats N]
+                                    [--warmup N] [--threads N] [--json PATH] [--plot PATH.png]
+    python -m roundpipe.optim.bench --first-use [--model default|small] [--json PATH]
+
+For every optimizer and workload, the same parameters and gradients (seeded) are stepped by each
+engine, one column each, roundpipe's first (its default, ``fast``, leftmost):
+
+* ``<backend>`` ``roundpipe.optim.<Name>(..., backend=<backend>)`` for each ``--backends`` entry:
+  ``fast`` (the default: the numba engine, or the torch engine where numba cannot run, which the
+  header says), ``fast:numba``, ``fast:torch``, ``fast:numexpr``, ``reference``. Default:
+  ``fast``; ``--backends all`` = ``fast,fast:torch,fast:numexpr,reference``; ``native`` is
+  accepted as the old name of ``fast:numba``;
+* ``for-loop``  ``torch.optim.<Name>(..., foreach=False)`` (torch's default for CPU tensors);
+* ``foreach``   ``torch.optim.<Name>(..., foreach=True)``;
+* ``fused``     ``torch.optim.<Name>(..., fused=True)``, where torch has a CPU kernel
+  (detected by trying; in torch 2.13: Adam, AdamW, SGD, Adagrad).
+
+Workloads (``--workloads``, default all): ``large`` (4 x 16M fp32), ``small`` (about 2,000
+tensors of 0 to 1,024 elements), ``transformer`` (32000x512 embedding + 8 layers at d=512) and
+``per_param``: one optimizer per parameter, each stepped once per step, as offload wrappers
+(torchao's ``CPUOffloadOptimizer``) and ``register_post_accumulate_grad_hook`` training loops
+do, so a step's fixed cost is paid once per tensor. It runs in two parts (each can be named on
+its own): ``per_param_small``, 256 optimizers of one 4Ki-element tensor, and
+``per_param_large``, 4 optimizers of one 4Mi-element tensor; columns: roundpipe's backends,
+the for-loop and fused (no foreach), and a table of microseconds per ``step()`` call.
+
+Methodology (the machine may be shared and noisy):
+
+* each configuration takes ``--warmup`` steps first (state creation, compilation caches);
+* then the configurations step round-robin (the starting one rotates each round) for
+  ``--repeats`` rounds; the reported time is the **median** step time of each, and every ratio
+  is between two medians of the same run;
+* the memory bandwidth is measured in the same run (in-place ``mul_`` and ``copy_`` on 256 MiB
+  arrays, before and after the optimizers; the higher of the two medians is the ceiling);
+* the bandwidth-bound time of a step is its minimal traffic divided by that bandwidth; "% bw" is
+  that bound over the measured median (100% = at the memory limit). The minimal traffic is
+  derived from the spec program a step runs (``traffic``): each tensor the program uses before
+  it assigns it, read once, plus each tensor it assigns, written once, 4 bytes per fp32 element;
+* after timing, each roundpipe backend is checked against torch's for-loop: two steps from
+  identical fresh inputs (one optimizer per parameter in ``per_param``), parameters and every
+  state tensor compared bit for bit (integer views, NaN by position) for a backend that claims
+  it (``backends.get(name).exact``: ``fast:torch``, ``reference``, and ``fast`` and
+  ``fast:numba`` where the numba engine's probes say it reproduces this torch's rounding), else
+  with ``torch.testing.assert_close`` (``fast:numexpr``); the header says which. A mismatch is
+  reported in the table instead of a speedup and makes the exit status 1;
+* configurations are built for one optimizer at a time and freed before the next;
+* ``--busy N`` starts N processes that each keep a core busy (a pure-Python loop) before the
+  first measurement and stops them after the last, to measure a machine that is doing other
+  work too (data loading, the Python main thread, feeding a GPU): compare with a quiet run.
+
+``--quick`` (a few minutes on 2 idle vCPUs with the default backend; ``all`` takes longer):
+1 warm-up step and 3 repetitions instead of 2 and 7; ``large`` is 4 x 2M elements instead of
+4 x 16M (still 128 MiB of Adam state, far above L3); ``transformer`` keeps d=512 but has a
+8000-token embedding and 2 layers instead of 32000 and 8; ``per_param_large`` is 4 x 2Mi instead
+of 4 x 4Mi; ``small`` and ``per_param_small`` are unchanged; the bandwidth probe uses 128 MiB
+arrays.
+
+``--first-use`` measures what a user waits for once, each in fresh subprocesses (``first_use``):
+``import roundpipe.optim`` beyond ``import torch`` (median of 3), the first AdamW ``step()``
+(default backend) of the demo's model with an empty kernel cache (``ROUNDPIPE_CACHE_DIR`` a new
+temporary directory: cold), the first step again in a new process with that cache (warm), and
+that process's third step (normal); against the goals import <= 0.5 s, cold first step <= 2 s,
+warm first step <= 0.3 s beyond a normal step.
+
+Modules: ``workloads`` (options, shapes, the configurations and the check against torch),
+``traffic`` (bytes per element from the spec), ``timing`` (the round-robin loop, the bandwidth
+probe, ``--busy`` workers, threads), ``report`` (tables, JSON, plot), ``engine`` (which engine
+``fast`` runs), ``first_use`` (``--first-use``), ``cli`` (arguments, the run, ``main``).
+"""
+
+from .cli import ALL_BACKENDS, _backends, _names, machine_meta, main, parse_args, run
+from .engine import FallbackWatch, fast_engine
+from .report import configs_of, derived, failures_of, format_tables, report, to_json
+from .timing import Row, bench_one, busy, measure_bandwidth, set_threads, thread_pools, timed_step
+from .traffic import bytes_per_element, steady_program, traffic
+from .workloads import (
+    ALL_OPTIMIZERS,
+    FOREACH,
+    FUSED,
+    LOOP,
+    OPTIONS,
+    PER_PARAM_PARTS,
+    TORCH_CONFIGS,
+    WORKLOAD_NAMES,
+    WORKLOADS,
+    PerParam,
+    Workload,
+    bits_mismatch,
+    check,
+    check_kind,
+    clone_params,
+    exact,
+    has_fused,
+    label,
+    make_optimizer,
+    make_workload,
+    workload_parts,
+)
+
+__all__ = [
+    "ALL_BACKENDS",
+    "ALL_OPTIMIZERS",
+    "FOREACH",
+    "FUSED",
+    "LOOP",
+    "OPTIONS",
+    "PER_PARAM_PARTS",
+    "TORCH_CONFIGS",
+    "WORKLOADS",
+    "WORKLOAD_NAMES",
+    "FallbackWatch",
+    "PerParam",
+    "Row",
+    "Workload",
+    "_backends",
+    "_names",
+    "bench_one",
+    "busy",
+    "bytes_per_element",
+    "bits_mismatch",
+    "check",
+    "check_kind",
+    "clone_params",
+    "configs_of",
+    "derived",
+    "exact",
+    "failures_of",
+    "fast_engine",
+    "format_tables",
+    "has_fused",
+    "label",
+    "machine_meta",
+    "main",
+    "make_optimizer",
+    "make_workload",
+    "measure_bandwidth",
+    "parse_args",
+    "report",
+    "run",
+    "set_threads",
+    "steady_program",
+    "thread_pools",
+    "timed_step",
+    "to_json",
+    "traffic",
+    "workload_parts",
+]

@@ -1,0 +1,298 @@
+"""The command line (``python -m roundpipe.optim.bench``) and the run it drives."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+
+import numexpr
+import numpy as np
+import torch
+
+from roundpipe import optim as rp_optim
+from roundpipe.optim import backends as rp_backends
+
+from . import first_use
+from .engine import FallbackWatch, fast_engine
+from .report import failures_of, plot, report, to_json
+from .timing import bench_one, busy, log, measure_bandwidth, set_threads, summarize_bandwidth, thread_pools
+from .workloads import (
+    ALL_OPTIMIZERS,
+    FOREACH,
+    FUSED,
+    LOOP,
+    OPTIONS,
+    WORKLOAD_NAMES,
+    WORKLOADS,
+    check,
+    check_kind,
+    has_fused,
+    label,
+    make_workload,
+    workload_parts,
+)
+
+# every roundpipe engine worth timing (``--backends all``): the default first
+ALL_BACKENDS = (rp_backends.DEFAULT, "fast:torch", "fast:numexpr", "reference")
+ENV_PREFIXES = ("ROUNDPIPE_", "OMP_", "NUMEXPR_", "MKL_", "NUMBA_")  # environment worth reporting
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def machine_meta(args) -> dict:
+    meta = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numexpr": numexpr.__version__,
+        "numpy": np.__version__,
+        "numexpr_use_vml": bool(numexpr.use_vml),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "numexpr_threads": numexpr.get_num_threads(),
+        "roundpipe_threads": rp_optim.get_num_threads(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
+    }
+    try:
+        import numba
+    except ImportError:  # fast then runs its torch engine; the header says so
+        pass
+    else:
+        meta["numba"] = numba.__version__
+        meta["numba_threads"] = numba.config.NUMBA_NUM_THREADS
+    return meta
+
+
+def run(args, busy_pids=()) -> dict:
+    quick = args.quick
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    repeats = args.repeats if args.repeats is not None else (3 if quick else 7)
+    bw_numel = (32 if quick else 64) * 2**20
+    bw_repeats = 5 if quick else 9
+
+    fused = {n: has_fused(n) for n in args.optimizers}
+    rp_configs = ["rp " + b for b in args.backends]
+    meta = {
+        **machine_meta(args),
+        "busy": args.busy,
+        "busy_pids": list(busy_pids),
+        "load_average_before": args.load_before,
+        "quick": quick,
+        "warmup": warmup,
+        "repeats": repeats,
+        "backends": args.backends,
+        "optimizers": args.optimizers,
+        "options": {n: OPTIONS[n] for n in args.optimizers},
+        "fused_available": fused,
+        "argv": sys.argv[1:],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    log(
+        f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
+        f"roundpipe {meta['roundpipe_threads']}; warm-up {warmup}, repetitions {repeats}; "
+        f"engines: {', '.join(args.backends)}, for-loop, foreach, fused; busy processes: {args.busy}"
+    )
+    log("measuring memory bandwidth ...")
+    bw_samples = measure_bandwidth(bw_numel, bw_repeats)
+
+    t_start = time.perf_counter()
+    results = {}
+    parts = [w for name in args.workloads for w in workload_parts(name, quick)]
+    parts = [w for k, w in enumerate(parts) if w.name not in {v.name for v in parts[:k]}]
+    with FallbackWatch() as watch:
+        for wl in parts:
+            base_params, base_grads = make_workload(wl)
+            numel = sum(p.numel() for p in base_params)
+            log(f"[{wl.name}] {wl.description}: {len(base_params)} tensors, {numel:,} elements")
+            rows = []
+            for name in args.optimizers:
+                t0 = time.perf_counter()
+                torch_configs = [LOOP] if wl.per_param else [LOOP, FOREACH]
+                configs = rp_configs + torch_configs + ([FUSED] if fused[name] else [])
+                row = bench_one(
+                    name, configs, base_params, base_grads, warmup, repeats, wl.name, wl.per_param
+                )
+                for b in args.backends:
+                    if "rp " + b in row.errors:
+                        continue
+                    row.checks[b] = check(name, b, base_params, base_grads, per_param=wl.per_param)
+                    if row.checks[b] is not None:
+                        log(f"  [{wl.name}] {name} {b}: MISMATCH with torch: {row.checks[b]}")
+                gc.collect()
+                times = ", ".join(f"{label(c)} {ms:.2f}" for c, ms in row.median_ms.items())
+                log(f"  [{wl.name}] {name}: {times} ms  ({time.perf_counter() - t0:.1f}s)")
+                rows.append(row)
+            results[wl.name] = {
+                "description": wl.description,
+                "tensors": len(base_params),
+                "numel": numel,
+                "per_param": wl.per_param,
+                "rows": rows,
+            }
+            del base_params, base_grads
+            gc.collect()
+    meta["fast_engine"] = fast_engine(watch.messages)
+    meta["check_kind"] = {b: check_kind(b) for b in args.backends}  # "bit for bit" or "close"
+
+    more = measure_bandwidth(bw_numel, bw_repeats)
+    for op in bw_samples:
+        bw_samples[op] += more[op]
+    bandwidth = summarize_bandwidth(bw_samples, bw_numel)
+    meta["elapsed_s"] = time.perf_counter() - t_start
+    meta["thread_pools"] = thread_pools()
+    return {"meta": meta, "bandwidth": bandwidth, "workloads": results}
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def _names(text: str, valid, what: str) -> list[str]:
+    by_lower = {v.lower(): v for v in valid}
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.lower() not in by_lower:
+            raise argparse.ArgumentTypeError(f"unknown {what} {item!r}; valid: {', '.join(valid)}")
+        if by_lower[item.lower()] not in out:
+            out.append(by_lower[item.lower()])
+    if not out:
+        raise argparse.ArgumentTypeError(f"no {what} given")
+    return out
+
+
+def _backends(text: str) -> list[str]:
+    """``--backends``: names from ``backends.NAMES`` or ``all`` (``ALL_BACKENDS``), in order,
+    without repeats, the default (``fast``) moved first; a deprecated alias (``native``) is
+    accepted as the name it stands for, with a note."""
+    aliases = rp_backends.ALIASES
+    items = []
+    for item in text.split(","):
+        item = item.strip()
+        if item.lower() in aliases:
+            log(f"note: --backends {item} is the old name of {aliases[item.lower()]}")
+            item = aliases[item.lower()]
+        items.append(item)
+    names = _names(",".join(items), (*rp_backends.NAMES, "all"), "backend")
+    out = []
+    for b in names:
+        for one in ALL_BACKENDS if b == "all" else (b,):
+            if one not in out:
+                out.append(one)
+    return sorted(out, key=lambda b: b != rp_backends.DEFAULT)  # stable: the default first
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m roundpipe.optim.bench",
+        description="Time roundpipe.optim against torch.optim (for-loop, foreach, fused) on CPU; "
+        "or, with --first-use, what its first import and step cost.",
+    )
+    p.add_argument("--quick", action="store_true", help="a few minutes: fewer repetitions, smaller workloads")
+    p.add_argument(
+        "--optimizers",
+        type=lambda s: _names(s, ALL_OPTIMIZERS, "optimizer"),
+        default=list(ALL_OPTIMIZERS),
+        help="comma-separated, e.g. Adam,SGD (default: all)",
+    )
+    p.add_argument(
+        "--workloads",
+        type=lambda s: _names(s, WORKLOAD_NAMES, "workload"),
+        default=list(WORKLOADS),
+        help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: {','.join(WORKLOADS)}; "
+        "per_param = per_param_small,per_param_large)",
+    )
+    p.add_argument(
+        "--backends",
+        type=_backends,
+        default=[rp_backends.DEFAULT],
+        help=f"roundpipe backends to time, comma-separated from {','.join(rp_backends.NAMES)}, or all "
+        f"(= {','.join(ALL_BACKENDS)}); default: {rp_backends.DEFAULT}",
+    )
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N other processes busy (a pure-Python loop each) during the whole run (default 0)",
+    )
+    p.add_argument("--repeats", type=int, help="round-robin repetitions (default 7, --quick 3)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per configuration (default 2, --quick 1)")
+    p.add_argument("--threads", type=int, help="set torch's and numexpr's thread counts")
+    p.add_argument("--json", metavar="PATH", help="write all results (every sample) as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="draw a chart (needs matplotlib: the 'plot' extra)")
+    p.add_argument(
+        "--first-use",
+        action="store_true",
+        help="instead: time import roundpipe.optim, and the first step of the demo's model with an "
+        "empty (cold) and a filled (warm) kernel cache, each in fresh subprocesses",
+    )
+    p.add_argument(
+        "--model",
+        choices=("default", "small"),
+        default="default",
+        help="--first-use: the demo's model to step (default: default; small: tiny, for tests)",
+    )
+    args = p.parse_args(argv)
+    for b in args.backends:
+        try:
+            rp_backends.resolve(b)
+        except ImportError as e:  # fast:numba where numba cannot be imported
+            p.error(f"--backends {b}: {e}")
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error("--warmup must be at least 0")
+    if args.busy < 0:
+        p.error("--busy must be at least 0")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
+    if args.plot and args.first_use:
+        p.error("--plot draws the workloads' times; --first-use has none")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or pip install -e '.[plot]'), or drop --plot"
+        )
+    return args
+
+
+def main_first_use(args) -> int:
+    meta = {**machine_meta(args), "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res = first_use.measure(args.model, log=log)
+    print(first_use.format_report(res), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "first_use": res}, f, indent=1)
+        log(f"wrote {args.json}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    if args.first_use:
+        return main_first_use(args)
+    args.load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    with busy(args.busy) as pids:
+        result = run(args, pids)
+    print(report(result, args.backends), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(result, args.backends), f, indent=1)
+        log(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.backends, args.plot)
+        log(f"wrote {args.plot}")
+    return 1 if failures_of(result, args.backends) else 0

@@ -1,0 +1,249 @@
+"""Reporting: the tables (median ms per step, ratios between medians), the failures, the JSON
+document and the chart."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .timing import Row
+from .workloads import FOREACH, FUSED, LOOP, OPTIONS, TORCH_CONFIGS, label
+
+
+def configs_of(backends, per_param: bool = False) -> list[str]:
+    """Every column, in order: the roundpipe backends (as given: the default, ``fast``, first),
+    then torch's paths (no foreach for one-parameter optimizers)."""
+    torch_configs = [LOOP, FUSED] if per_param else list(TORCH_CONFIGS)
+    return ["rp " + b for b in backends] + torch_configs
+
+
+def bound_ms(row: Row, gbps: float) -> float:
+    return row.bytes_per_element * row.numel / (gbps * 1e9) * 1e3
+
+
+def derived(row: Row, backends, gbps: float) -> dict:
+    """Per column: speedup over torch's for-loop and over torch fused, fraction of the bound,
+    and for one-parameter optimizers the time per ``step()`` call."""
+    out = {"bound_ms": bound_ms(row, gbps)}
+    loop, fused = row.median_ms.get(LOOP), row.median_ms.get(FUSED)
+    for config in configs_of(backends, row.per_param):
+        ms = row.median_ms.get(config)
+        if ms is None:
+            continue
+        d = {
+            "median_ms": ms,
+            "speedup_vs_for_loop": loop / ms if loop else None,
+            "speedup_vs_fused": fused / ms if fused else None,
+            "fraction_of_bandwidth_limit": out["bound_ms"] / ms,
+        }
+        if row.per_param:
+            d["us_per_step_call"] = ms * 1e3 / row.tensors
+        if config.startswith("rp "):
+            d["matches_torch"] = row.checks.get(label(config)) is None
+        out[label(config)] = d
+    return out
+
+
+def fmt_ms(v):
+    return "n/a" if v is None else f"{v:.2f}" if v < 100 else f"{v:.1f}"
+
+
+def _table(header, lines) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+
+    def fmt(cells):
+        pairs = zip(cells, widths, strict=True)
+        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(pairs))
+
+    return [fmt(header), "-+-".join("-" * w for w in widths), *[fmt(c) for c in lines]]
+
+
+def _cell(row: Row, d: dict, config: str, key: str) -> str:
+    if config in row.errors:
+        return "ERROR"
+    if config.startswith("rp ") and row.checks.get(label(config)):
+        return "MISMATCH"
+    v = d.get(label(config), {}).get(key)
+    if v is None:
+        return "n/a"
+    if key == "fraction_of_bandwidth_limit":
+        return f"{100 * v:.0f}%"
+    if key == "us_per_step_call":
+        return f"{v:.1f}"
+    return f"{v:.2f}x"
+
+
+def format_tables(wl: str, res: dict, backends, gbps: float) -> str:
+    """The workload's tables: median ms per step of every column, then ratios between medians."""
+    per_param = res.get("per_param", False)
+    configs = configs_of(backends, per_param)
+    rp = [c for c in configs if c.startswith("rp ")]
+    rows = res["rows"]
+    ds = [derived(row, backends, gbps) for row in rows]
+    times = [
+        [row.optimizer, str(row.bytes_per_element), fmt_ms(d["bound_ms"])]
+        + [fmt_ms(row.median_ms.get(c)) for c in configs]
+        for row, d in zip(rows, ds, strict=True)
+    ]
+    out = [
+        f"workload {wl}: {res['description']}; {res['tensors']} tensors, {res['numel']:,} elements",
+        "median ms per step" + (f" ({res['tensors']} step() calls each):" if per_param else ":"),
+        *_table(["optimizer", "B/elem", "bw-bound"] + [label(c) for c in configs], times),
+    ]
+    sections = []
+    if per_param:
+        sections.append(
+            (
+                f"us per step() call (median / {res['tensors']} calls):",
+                "us_per_step_call",
+                configs,
+            )
+        )
+    sections += [
+        (
+            "speedup over torch for-loop (for-loop median / median):",
+            "speedup_vs_for_loop",
+            [c for c in configs if c != LOOP],
+        ),
+        ("speedup over torch fused (fused median / median):", "speedup_vs_fused", rp),
+        ("% of the bandwidth bound (bw-bound / median):", "fraction_of_bandwidth_limit", [*rp, FUSED]),
+    ]
+    for title, key, columns in sections:
+        lines = [
+            [row.optimizer] + [_cell(row, d, c, key) for c in columns]
+            for row, d in zip(rows, ds, strict=True)
+            if key != "speedup_vs_fused" or FUSED in row.median_ms
+        ]
+        if lines:
+            out += ["", title, *_table(["optimizer"] + [label(c) for c in columns], lines)]
+    return "\n".join(out)
+
+
+def report(result: dict, backends) -> str:
+    meta, bw = result["meta"], result["bandwidth"]
+    gbps = bw["ceiling_GBps"]
+    versions = (
+        f"torch {meta['torch']}, numexpr {meta['numexpr']} (vml {meta['numexpr_use_vml']}), "
+        f"numpy {meta['numpy']}, python {meta['python']}"
+    )
+    if meta.get("numba"):
+        versions += f", numba {meta['numba']} (NUMBA_NUM_THREADS {meta['numba_threads']})"
+    load = meta["load_average_before"]
+    out = [
+        f"roundpipe.optim benchmark ({'quick' if meta['quick'] else 'full'}): {versions}",
+        f"default backend: {meta['fast_engine']['text']}",
+        check_line(meta["check_kind"]),
+        f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
+        f"roundpipe step {meta['roundpipe_threads']}, cpus {meta['cpu_count']}; "
+        f"median of {meta['repeats']} round-robin repetitions "
+        f"after {meta['warmup']} warm-up step(s)",
+        (
+            f"busy: {meta['busy']} other process(es) spinning a pure-Python loop during the whole run"
+            if meta["busy"]
+            else "busy: none (a quiet run: no --busy processes)"
+        )
+        + (f"; load average before the run {load[0]:.2f}" if load else ""),
+        f"memory bandwidth (bytes read + written; in-place mul_ on {bw['mul_']['bytes'] // 2**21} MiB, "
+        "copy_ between two such arrays): "
+        f"mul_ {bw['mul_']['GBps']:.1f} GB/s, copy_ {bw['copy_']['GBps']:.1f} GB/s; "
+        f"ceiling used: {gbps:.1f} GB/s",
+        "B/elem: bytes a step must read and write per element (from its spec program); "
+        "bw-bound: B/elem x elements / bandwidth ceiling, in ms",
+    ]
+    if meta.get("thread_pools"):
+        out.append("thread pools after the run (threadpoolctl): " + "; ".join(meta["thread_pools"]))
+    if meta["env"]:
+        out.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(meta["env"].items())))
+    for wl, res in result["workloads"].items():
+        out += ["", format_tables(wl, res, backends, gbps)]
+    failures = failures_of(result, backends)
+    if failures:
+        out += ["", "FAILURES (roundpipe errors or mismatches with torch; no speedup reported):"]
+        out += [f"  {f}" for f in failures]
+    return "\n".join(out)
+
+
+def check_line(kinds: dict) -> str:
+    """How each backend was checked against torch: ``kinds`` is backend -> "bit for bit" or
+    "close" (``workloads.check_kind``)."""
+    by_kind = {k: [b for b, v in kinds.items() if v == k] for k in ("bit for bit", "close")}
+    how = {
+        "bit for bit": "bit for bit (integer views, NaN by position)",
+        "close": "close (torch.testing.assert_close)",
+    }
+    parts = [f"{', '.join(bs)} {how[k]}" for k, bs in by_kind.items() if bs]
+    return (
+        "checked against torch's for-loop (2 steps from the same inputs, parameters and every state "
+        f"tensor; MISMATCH in a table if not): {'; '.join(parts)}"
+    )
+
+
+def failures_of(result: dict, backends) -> list[str]:
+    out = []
+    for wl, res in result["workloads"].items():
+        for row in res["rows"]:
+            for b in backends:
+                err = row.errors.get("rp " + b)
+                if err:
+                    out.append(f"{wl} {row.optimizer} {b}: {err}")
+                elif row.checks.get(b):
+                    out.append(f"{wl} {row.optimizer} {b}: {row.checks[b]}")
+            for c in (LOOP, FOREACH):
+                if c in row.errors:
+                    out.append(f"{wl} {row.optimizer} {c}: {row.errors[c]}")
+    return out
+
+
+def to_json(result: dict, backends) -> dict:
+    gbps = result["bandwidth"]["ceiling_GBps"]
+    workloads = {}
+    for wl, res in result["workloads"].items():
+        rows = {}
+        for row in res["rows"]:
+            rows[row.optimizer] = {
+                "options": OPTIONS[row.optimizer],
+                "bytes_per_element": row.bytes_per_element,
+                "reads": row.reads,
+                "writes": row.writes,
+                "numel": row.numel,
+                "median_ms": {label(c): v for c, v in row.median_ms.items()},
+                "min_ms": {label(c): v for c, v in row.min_ms.items()},
+                "samples_ms": {label(c): v for c, v in row.samples_ms.items()},
+                "errors": {label(c): v for c, v in row.errors.items()},
+                "checks": {b: (m or "ok") for b, m in row.checks.items()},
+                **derived(row, backends, gbps),
+            }
+        workloads[wl] = {**{k: v for k, v in res.items() if k != "rows"}, "optimizers": rows}
+    return {"meta": result["meta"], "bandwidth": result["bandwidth"], "workloads": workloads}
+
+
+def plot(result: dict, backends, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gbps = result["bandwidth"]["ceiling_GBps"]
+    wls = list(result["workloads"].items())
+    fig, axes = plt.subplots(len(wls), 1, figsize=(13, 3.6 * len(wls)), squeeze=False)
+    for ax, (wl, res) in zip(axes[:, 0], wls, strict=True):
+        configs = configs_of(backends, res.get("per_param", False))
+        rows = res["rows"]
+        x = np.arange(len(rows))
+        width = 0.8 / len(configs)
+        for k, c in enumerate(configs):
+            ys = [row.median_ms.get(c, np.nan) for row in rows]
+            ax.bar(x + (k - (len(configs) - 1) / 2) * width, ys, width, label=label(c))
+        ax.scatter(x, [bound_ms(r, gbps) for r in rows], marker="_", s=400, c="k", label="bandwidth bound")
+        ax.set_xticks(x, [r.optimizer for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title(f"{wl}: {res['description']}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    meta = result["meta"]
+    fig.suptitle(
+        f"roundpipe.optim vs torch.optim on CPU (torch threads {meta['torch_threads']}, "
+        f"numexpr threads {meta['numexpr_threads']}, busy processes {meta['busy']})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,59 @@
+"""The minimal memory traffic of a step, derived from the spec program it runs."""
+
+from __future__ import annotations
+
+import torch
+
+from roundpipe.optim.spec import SPECS
+from roundpipe.optim.spec.ir import Assign, Tensor, walk
+
+from .workloads import OPTIONS
+
+ELEMENT_BYTES = torch.float32.itemsize  # every workload is fp32
+STEADY_STEP = 10  # the step whose program gives the traffic: past every optimizer's first steps
+
+
+def steady_program(name: str):
+    """The spec program a step of ``name`` runs with ``OPTIONS[name]`` once past its first steps.
+
+    Its options come from the group (``spec.options``), its flags from ``init_state`` (a step
+    that finds the state already there) and from ``scalars`` at step ``STEADY_STEP``, as the
+    optimizer's own step computes them.
+    """
+    spec = SPECS[name]
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    group = spec.torch_class([p], **OPTIONS[name]).param_groups[0]
+    state: dict = {}
+    spec.init_state(group, p, state)  # the first step creates the state ...
+    flags = dict(spec.init_state(group, p, state) or {})  # ... the later ones find it
+    scalar_state = {k: state[k] for k in spec.scalar_state}
+    for _ in range(STEADY_STEP):
+        values = spec.scalars(group, scalar_state)
+    flags.update((k, v) for k, v in values.items() if isinstance(v, bool))
+    return spec.program({**spec.options(group), **flags})
+
+
+def traffic(program) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(read, written)``: the tensors a one-pass step must load, and those it must store.
+
+    A tensor is loaded if a statement uses it before any statement assigns it (after that its
+    value is the one just computed); every target is stored.
+    """
+    read: list[str] = []
+    assigned: set[str] = set()
+    for st in program.statements:
+        for node in walk(st.expr):
+            name = node.name if isinstance(node, Tensor) else None
+            if name in program.tensors and name not in assigned and name not in read:
+                read.append(name)
+        if isinstance(st, Assign):
+            assigned.add(st.target)
+    return tuple(read), tuple(program.targets)
+
+
+def bytes_per_element(name: str) -> tuple[int, tuple[str, ...], tuple[str, ...]]:
+    """Minimal bytes a steady-state step of ``name`` moves per fp32 element, and what it reads
+    and writes."""
+    read, written = traffic(steady_program(name))
+    return ELEMENT_BYTES * (len(read) + len(written)), read, written

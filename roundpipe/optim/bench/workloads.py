@@ -1,0 +1,234 @@
+"""What the benchmark steps: the optimizers' options, the workloads' tensors, the configurations
+(torch's three CPU paths, roundpipe's backends, one optimizer per parameter) and the check of
+each roundpipe backend against torch's for-loop (bit for bit where the backend claims it)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from roundpipe import optim as rp_optim
+from roundpipe.optim import backends as rp_backends
+from roundpipe.optim.spec import SPECS
+
+# the eleven optimizers, in the spec registry's order
+ALL_OPTIMIZERS = tuple(SPECS)
+
+# Representative settings: torch's defaults, except SGD with momentum (plain SGD is rare).
+OPTIONS = {name: {} for name in ALL_OPTIMIZERS}
+OPTIONS["SGD"] = {"momentum": 0.9}
+
+WORKLOADS = ("large", "small", "transformer", "per_param")
+PER_PARAM_PARTS = ("per_param_small", "per_param_large")  # what ``per_param`` runs
+WORKLOAD_NAMES = (*WORKLOADS, *PER_PARAM_PARTS)  # what --workloads accepts
+
+TORCH_CONFIGS = ("torch for-loop", "torch foreach", "torch fused")
+LOOP, FOREACH, FUSED = TORCH_CONFIGS
+
+
+def label(config: str) -> str:
+    """A configuration's column name: ``for-loop``, ``foreach``, ``fused`` or the backend."""
+    return config.removeprefix("torch ").removeprefix("rp ")
+
+
+# ---------------------------------------------------------------------------------------------
+# workloads
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str  # the key in the results: a --workloads name, or a part of per_param
+    description: str
+    shapes: tuple
+    per_param: bool = False  # one optimizer per parameter
+
+
+def workload_parts(name: str, quick: bool) -> list[Workload]:
+    """The workloads ``--workloads name`` runs: one, or per_param's two parts."""
+    if name == "per_param":
+        return [w for part in PER_PARAM_PARTS for w in workload_parts(part, quick)]
+    if name in PER_PARAM_PARTS:
+        count, n = (256, 4 * 2**10) if name == "per_param_small" else (4, (2 if quick else 4) * 2**20)
+        size = f"{n // 2**10}Ki" if n < 2**20 else f"{n // 2**20}Mi"
+        desc = (
+            f"{count} one-parameter optimizers of {size} fp32 elements each, stepped one after "
+            "the other (an offload wrapper, a post-accumulate-grad hook)"
+        )
+        return [Workload(name, desc, ((n,),) * count, per_param=True)]
+    if name == "large":
+        n = (2 if quick else 16) * 2**20
+        desc = f"4 tensors of {n // 2**20}M fp32 ({n * 4 // 2**20} MiB each)"
+        return [Workload(name, desc, ((n,),) * 4)]
+    if name == "small":
+        g = torch.Generator().manual_seed(1234)
+        sizes = torch.randint(0, 1025, (2000,), generator=g).tolist()
+        shapes = [(s,) for s in sizes] + [(3, 4, 5), (2, 8, 16), (1, 1, 1), (4, 1, 7), (8, 8, 8), (16, 3, 3)]
+        desc = "2000 1-D tensors of 0..1024 elements (seeded) + 6 small 3-D ones"
+        return [Workload(name, desc, tuple(shapes))]
+    if name == "transformer":
+        vocab, layers, d = (8000, 2, 512) if quick else (32000, 8, 512)
+        shapes = [(vocab, d)]
+        for _ in range(layers):
+            shapes += [(d, d), (d,)] * 4  # q, k, v, o weights and biases
+            shapes += [(4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # mlp up and down
+            shapes += [(d,)] * 4  # two layernorms, weight and bias
+        shapes += [(d,), (d,)]  # final layernorm
+        desc = f"{vocab}x{d} embedding + {layers} layers at d={d} (qkvo, mlp 4d, biases, layernorms)"
+        return [Workload(name, desc, tuple(shapes))]
+    raise ValueError(name)
+
+
+def make_workload(workload: Workload):
+    """Seeded ``(params, grads)`` of the workload's shapes."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=g) for s in workload.shapes]
+    grads = [torch.randn(s, generator=g).mul_(0.1) for s in workload.shapes]
+    return params, grads
+
+
+def clone_params(base_params, base_grads):
+    params = []
+    for p, g in zip(base_params, base_grads, strict=True):
+        q = torch.nn.Parameter(p.clone())
+        q.grad = g.clone()
+        params.append(q)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# configurations
+
+
+def has_fused(name: str) -> bool:
+    """Whether torch has a fused CPU implementation of this optimizer (by trying one)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            SPECS[name].torch_class([p], fused=True, **OPTIONS[name]).step()
+    except Exception:
+        return False
+    return True
+
+
+class PerParam:
+    """One optimizer per parameter, stepped one after the other by ``step()``: what torchao's
+    ``CPUOffloadOptimizer`` builds, and what a loop calling ``step()`` from
+    ``register_post_accumulate_grad_hook`` runs. ``state`` merges the optimizers' states."""
+
+    def __init__(self, make, params):
+        self.optimizers = [make([p]) for p in params]
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    @property
+    def state(self) -> dict:
+        merged: dict = {}
+        for opt in self.optimizers:
+            merged.update(opt.state)
+        return merged
+
+
+def make_optimizer(config: str, name: str, params, per_param: bool = False):
+    """The optimizer of a configuration (``torch for-loop`` ... or ``rp <backend>``) over
+    ``params``; with ``per_param``, one such optimizer per parameter (``PerParam``)."""
+    if per_param:
+        return PerParam(lambda ps: make_optimizer(config, name, ps), params)
+    kwargs = OPTIONS[name]
+    torch_class = SPECS[name].torch_class
+    if config == LOOP:
+        return torch_class(params, foreach=False, **kwargs)
+    if config == FOREACH:
+        return torch_class(params, foreach=True, **kwargs)
+    if config == FUSED:
+        return torch_class(params, fused=True, **kwargs)
+    backend = config.removeprefix("rp ")
+    return getattr(rp_optim, name)(params, backend=backend, **kwargs)
+
+
+def exact(backend: str) -> bool:
+    """Whether ``backend`` claims torch.optim's for-loop bit for bit here
+    (``backends.get(backend).exact``: fast and fast:numba where the numba engine's probes say it
+    models this torch's rounding, fast:torch, reference); ``check`` then compares every bit."""
+    return bool(getattr(rp_backends.get(backend), "exact", False))
+
+
+def check_kind(backend: str) -> str:
+    """How ``check`` compares ``backend`` with torch: ``"bit for bit"`` or ``"close"``."""
+    return "bit for bit" if exact(backend) else "close"
+
+
+def bits_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None if ``a`` and ``b`` are equal bit for bit (float32 compared as int32, so -0.0 is not
+    0.0; NaNs by position, any payload), else how many elements differ and the first one."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"dtype/shape {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
+    if a.is_complex():
+        a, b = torch.view_as_real(a).reshape(-1), torch.view_as_real(b).reshape(-1)
+    if a.is_floating_point():
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        differ = (a.view(ints) != b.view(ints)) & ~(torch.isnan(a) & torch.isnan(b))
+    else:
+        differ = a != b
+    count = int(differ.sum())
+    if count == 0:
+        return None
+    i = int(differ.nonzero()[0, 0])
+    first = f"{a[i].item()!r} vs {b[i].item()!r}"
+    return f"{count} of {a.numel()} elements differ in their bits; first at {i}: {first}"
+
+
+def _mismatch(got: torch.Tensor, expected: torch.Tensor, bitwise: bool) -> str | None:
+    if bitwise:
+        return bits_mismatch(got, expected)
+    try:
+        torch.testing.assert_close(got, expected)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def check(name: str, backend: str, base_params, base_grads, steps: int = 2, per_param: bool = False):
+    """None if roundpipe matches torch's for-loop after ``steps`` steps (parameters and every
+    state tensor), else the mismatch: bit for bit where the backend claims it (``exact``), else
+    ``torch.testing.assert_close``."""
+    bitwise = exact(backend)
+    ref_params = clone_params(base_params, base_grads)
+    rp_params = clone_params(base_params, base_grads)
+    ref = make_optimizer(LOOP, name, ref_params)
+    rp = make_optimizer("rp " + backend, name, rp_params, per_param=per_param)
+    try:
+        for _ in range(steps):
+            ref.step()
+            rp.step()
+        rp_state = rp.state
+        pairs = [("param", list(rp_params), list(ref_params))]
+        for key, v in ref.state[ref_params[0]].items():
+            if isinstance(v, torch.Tensor):
+                got = [rp_state.get(b, {}).get(key) for b in rp_params]
+                pairs.append((f"state {key!r}", got, [ref.state[a][key] for a in ref_params]))
+        # all tensors of an entry at once, then one by one to say where
+        for what, got, expected in pairs:
+            missing = [i for i, t in enumerate(got) if not isinstance(t, torch.Tensor)]
+            if missing:
+                return f"AssertionError: {what} {missing[0]}: missing"
+            if _mismatch(_flat(got), _flat(expected), bitwise) is None:
+                continue
+            for i, (w, v) in enumerate(zip(got, expected, strict=True)):
+                why = _mismatch(w.detach(), v.detach(), bitwise)
+                if why is not None:
+                    return f"AssertionError: {what} {i}: {why}".strip()
+            return f"AssertionError: {what}: the concatenated tensors differ"  # not one by one
+    except Exception as e:  # the backend failing
+        return f"{type(e).__name__}: {e}".strip()
+    return None
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])

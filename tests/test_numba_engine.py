@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import token
 import tokenize
 import warnings
@@ -434,14 +435,16 @@ def opt_program(opt):
     return opt.spec.program(opt.spec.options(group))
 
 
-@pytest.mark.parametrize("nthreads", [1, 2])
-def test_threads_follow_roundpipe_setting_and_results_do_not_change(nthreads, monkeypatch):
+@pytest.mark.parametrize("order", [(1, 2), (2, 1)], ids=["1-then-2", "2-then-1"])
+def test_threads_follow_roundpipe_setting_and_results_do_not_change(order, monkeypatch):
+    """A one-thread run (the serial kernel) and a two-thread run (the parallel kernel, where
+    numba has two threads) of the same steps give the same bits, whichever runs first."""
     monkeypatch.setattr(roundpipe.optim.threads, "_num_threads", None)
     g = torch.Generator().manual_seed(3)
     base = torch.randn(3 * LARGE, generator=g)
     grads = [torch.randn(3 * LARGE, generator=g) for _ in range(3)]
     out = {}
-    for n in (1, nthreads):
+    for n in order:
         roundpipe.optim.set_num_threads(n)
         p = torch.nn.Parameter(base.clone())
         opt = roundpipe.optim.AdamW([p], lr=0.01, backend="fast:numba")
@@ -453,10 +456,11 @@ def test_threads_follow_roundpipe_setting_and_results_do_not_change(nthreads, mo
         out[n] = p.detach().clone()
     kernel = _engine().kernel(opt_program(opt), (True,))  # betas[0] = 0.9: a small lerp
     assert kernel.serial.signatures, "one thread: the serial kernel"
-    if nthreads > 1 and numba.config.NUMBA_NUM_THREADS > 1:
+    if numba.config.NUMBA_NUM_THREADS > 1:
         assert kernel.parallel.signatures, "two threads: the parallel kernel"
     roundpipe.optim.set_num_threads(None)
-    torch.testing.assert_close(out[1], out[nthreads], rtol=0, atol=0)
+    assert set(out) == {1, 2}
+    assert_bits_equal(out[1], out[2], "1 thread vs 2 threads")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -550,6 +554,189 @@ def test_second_process_compiles_nothing(tmp_path):
     assert len(sources) == len(cold["on_disk"])  # one module per kernel, written once
     cached = {p.suffix for p in (tmp_path / "numba" / "__pycache__").iterdir()}
     assert {".nbi", ".nbc"} <= cached
+
+
+# One problem for the subprocess tests below, run by the children on roundpipe and by the
+# parent on torch.optim's for-loop: ``train`` returns a digest of the parameters' and every
+# state tensor's bytes after three steps.
+_PROBLEM = textwrap.dedent(
+    """
+    import hashlib
+    import torch
+
+    def problem(n_large):
+        g = torch.Generator().manual_seed(7)
+        shapes = [(100,), (33, 31), (n_large,)]
+        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+        grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+        return params, grads
+
+    def train(opt, params, grads):
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.clone()
+            opt.step()
+        h = hashlib.sha256()
+        for p in params:
+            h.update(p.detach().numpy().tobytes())
+            for k in sorted(opt.state[p]):
+                h.update(k.encode())
+                h.update(opt.state[p][k].detach().reshape(-1).numpy().tobytes())
+        return h.hexdigest()
+    """
+)
+
+# argv: optimizer, backend, size of the large parameter, and a directory: when given, the child
+# announces itself there (ready-<pid>) and waits for the file "go" before it steps.
+_CHILD_SCRIPT = _PROBLEM + textwrap.dedent(
+    """
+    import json, os, sys, time
+    import numba
+    import roundpipe.optim
+    from roundpipe.optim import backends
+    from roundpipe.optim.backends import numba_engine
+
+    name, backend, n_large, meet = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    if meet:
+        open(os.path.join(meet, f"ready-{os.getpid()}"), "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(meet, "go")):
+            if time.monotonic() > deadline:
+                sys.exit("the barrier never opened")
+            time.sleep(0.002)
+    params, grads = problem(n_large)
+    opt = getattr(roundpipe.optim, name)(params, lr=0.01, weight_decay=0.1, backend=backend)
+    digest = train(opt, params, grads)
+    kernels = numba_engine._kernels.values()
+    # read before numba.get_num_threads(), which starts numba's OpenMP pool if no step did:
+    # that sets the OpenMP thread count, torch's too
+    roundpipe_threads, torch_threads = roundpipe.optim.get_num_threads(), torch.get_num_threads()
+    print(json.dumps({
+        "digest": digest,
+        "hits": sum(sum(d.stats.cache_hits.values()) for k in kernels for d in k.dispatchers),
+        "misses": sum(sum(d.stats.cache_misses.values()) for k in kernels for d in k.dispatchers),
+        "on_disk": [k.cached_on_disk for k in kernels],
+        "parallel": any(k.parallel.signatures for k in kernels),
+        "numba_threads": numba.get_num_threads(),
+        "numba_max": numba.config.NUMBA_NUM_THREADS,
+        "roundpipe_threads": roundpipe_threads,
+        "torch_threads": torch_threads,
+        "engine": backends.get(opt.backend).engine(),
+    }))
+    """
+)
+# a hang detector, not a timing assertion
+CHILD_TIMEOUT = 300
+
+
+def _torch_digest(name, n_large):
+    ns = {}
+    exec(_PROBLEM, ns)
+    params, grads = ns["problem"](n_large)
+    return ns["train"](torch_class(name)(params, lr=0.01, weight_decay=0.1, foreach=False), params, grads)
+
+
+def _child_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_OPTIM_")}
+    env.update(extra)
+    return env
+
+
+def _start_child(env, name, backend, n_large, meet=""):
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD_SCRIPT, name, backend, str(n_large), str(meet)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(child, what):
+    try:
+        out, err = child.communicate(timeout=CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        raise AssertionError(f"{what}: still running after {CHILD_TIMEOUT} s (a hang?)\n{err}") from None
+    assert child.returncode == 0, f"{what}: exit status {child.returncode}\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_processes_compiling_into_one_empty_cache_at_once(tmp_path):
+    """Four processes (DDP ranks, pytest-xdist workers) compile the same AdamW kernel into one
+    empty cache directory at the same moment (each waits at a barrier after its imports): all
+    succeed with torch's bits; a fifth process then compiles nothing and gets the same bits."""
+    cache, meet = tmp_path / "cache", tmp_path / "meet"
+    meet.mkdir()
+    env = _child_env(**{numba_engine.CACHE_ENV_VAR: str(cache), "ROUNDPIPE_OPTIM_NUM_THREADS": "1"})
+    n_large = LARGE
+    children = [_start_child(env, "AdamW", "fast", n_large, meet) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while len(list(meet.glob("ready-*"))) < len(children):
+            assert time.monotonic() < deadline, "the children never reached the barrier"
+            assert all(c.poll() is None for c in children), [c.communicate()[1] for c in children]
+            time.sleep(0.01)
+        (meet / "go").touch()
+        results = [_finish(c, f"process {i}") for i, c in enumerate(children)]
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+    want = _torch_digest("AdamW", n_large)
+    for i, res in enumerate(results):
+        assert res["engine"] == "numba", (i, res)
+        assert res["digest"] == want, (i, res)  # bit for bit torch.optim's for-loop
+        assert all(res["on_disk"]) and res["misses"] >= 1, (i, res)
+    warm = _finish(_start_child(env, "AdamW", "fast", n_large), "the fifth process")
+    assert warm["misses"] == 0 and warm["hits"] >= 1, warm  # nothing compiled: all from the cache
+    assert warm["digest"] == want
+    # every kernel's module written once, whole; no temporary file left behind
+    numba_dir = cache / "numba"
+    assert len(list(numba_dir.glob("roundpipe_numba_*.py"))) == len(warm["on_disk"])
+    leftovers = [p.name for p in numba_dir.rglob("*") if "tmp" in p.name]
+    assert not leftovers, leftovers
+    assert {".nbi", ".nbc"} <= {p.suffix for p in (numba_dir / "__pycache__").iterdir()}
+
+
+HIGH = 2 * (os.cpu_count() or 1) + 1  # above the core count
+# (NUMBA_NUM_THREADS, OMP_NUM_THREADS, ROUNDPIPE_OPTIM_NUM_THREADS or None)
+# (torch caps its own count at the core count, so roundpipe is also asked for HIGH threads, to
+# run numba's pool above it)
+THREAD_SETTINGS = [(1, 1, None), (HIGH, HIGH, None), (HIGH, HIGH, HIGH)]
+
+
+def test_thread_count_environment_below_and_above_the_core_count(tmp_path):
+    """``NUMBA_NUM_THREADS`` and ``OMP_NUM_THREADS`` below (1) and above (2 * cores + 1) the
+    core count, also with roundpipe asked for more threads than numba's pool has: numba accepts
+    a pool larger than the machine, a step runs min(roundpipe's threads, NUMBA_NUM_THREADS) of
+    it, and every setting gives torch's bits (no error, crash or hang)."""
+    n_large = HIGH * numba_engine.PARALLEL_MIN_NUMEL + 7  # enough work for HIGH threads
+    children = []
+    for numba_n, omp_n, rp_n in THREAD_SETTINGS:
+        env = _child_env(NUMBA_NUM_THREADS=str(numba_n), OMP_NUM_THREADS=str(omp_n))
+        if rp_n is not None:
+            env["ROUNDPIPE_OPTIM_NUM_THREADS"] = str(rp_n)
+        children.append(_start_child(env, "Adam", "fast", n_large))
+    try:
+        results = [_finish(c, f"settings {s}") for c, s in zip(children, THREAD_SETTINGS, strict=True)]
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+    want = _torch_digest("Adam", n_large)
+    for (numba_n, omp_n, rp_n), res in zip(THREAD_SETTINGS, results, strict=True):
+        setting = f"NUMBA_NUM_THREADS={numba_n} OMP_NUM_THREADS={omp_n} ROUNDPIPE_OPTIM_NUM_THREADS={rp_n}"
+        assert res["engine"] == "numba", (setting, res)
+        assert res["digest"] == want, (setting, res)
+        assert res["numba_max"] == numba_n, (setting, res)
+        rp = rp_n if rp_n is not None else res["torch_threads"]
+        assert res["roundpipe_threads"] == rp, (setting, res)
+        used = min(rp, numba_n)
+        assert res["parallel"] == (used > 1), (setting, res)
+        if used > 1:
+            assert res["numba_threads"] == used, (setting, res)
 
 
 def test_cache_dir_setting(monkeypatch, tmp_path):

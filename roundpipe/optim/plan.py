@@ -116,7 +116,8 @@ def tensor_problem(t, what: str, like=None):
             )
     else:
         if t.dtype != like.dtype:
-            return TypeError, f"{what} has dtype {t.dtype}, expected {like.dtype}"
+            # torch's ops raise RuntimeError on such a mismatch
+            return RuntimeError, f"{what} has dtype {t.dtype}, expected {like.dtype}"
         if t.shape != like.shape:
             return RuntimeError, f"{what} has shape {tuple(t.shape)}, expected {tuple(like.shape)}"
     if not t.is_contiguous():
@@ -161,22 +162,35 @@ def _grads_ok(grads, shapes, dtypes) -> bool:
 class Unit:
     """Parameters of one group whose 0-d state and init flags are equal: one ``scalars`` call."""
 
-    __slots__ = ("group_plan", "positions", "flags", "scalar_columns", "scalar_flat", "columns")
+    # No reference back to the GroupPlan: a plan holds no reference cycle, so a replaced plan
+    # is freed at once (its views of the flat buffers would otherwise skew ``scalar_uses``).
+    __slots__ = ("positions", "flags", "scalar_columns", "scalar_flat", "scalar_uses", "columns")
 
     def __init__(self, group_plan, positions, flags):
-        self.group_plan = group_plan
         self.positions = positions  # indices into group_plan.params
         self.flags = flags
         states = [group_plan.states[i] for i in positions]
         self.scalar_columns = {n: [st[n] for st in states] for n in group_plan.scalar_names}
         # 0-d state born in one buffer (adopt_flat_state) is checked and written in one op each
-        self.scalar_flat = {n: contiguous_run(c) for n, c in self.scalar_columns.items()}
+        self.scalar_flat = {
+            n: contiguous_run(c) if _storage_use_count is not None else None
+            for n, c in self.scalar_columns.items()
+        }
+        # how many tensors share each flat buffer's storage, as the last write left it (None:
+        # not written yet): a member moved to other storage (``.data =``, ``.set_()``) lowers
+        # it, and the step rebuilds the plan instead of writing the buffer that no longer
+        # holds that member (an O(1) check per buffer)
+        self.scalar_uses = {n: None for n, f in self.scalar_flat.items() if f is not None}
         self.columns = {"param": [group_plan.reals[i] for i in positions]}
         for name in group_plan.inputs:
             self.columns[name] = [real(st[name]) for st in states]
 
     def uniform(self) -> bool:
-        """Whether the members' 0-d state (``step``, ...) still holds one value per name."""
+        """Whether the members' 0-d state (``step``, ...) still holds one value per name, in
+        the storage the plan writes."""
+        for n, uses in self.scalar_uses.items():
+            if uses is not None and _uses(self.scalar_flat[n]) != uses:
+                return False
         if len(self.positions) < 2:
             return True
         for n, col in self.scalar_columns.items():
@@ -201,8 +215,18 @@ class Unit:
                 new = new.value
             if flat is not None:
                 flat.fill_(new)
+                self.scalar_uses[n] = _uses(flat)
             else:
                 torch._foreach_copy_(col, [scratch[n]] * len(col))
+
+
+# torch's count of the references to a storage (tensors and storage objects); without it (an
+# older torch) the 0-d state is always read and written tensor by tensor
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _uses(t) -> int:
+    return _storage_use_count(t.untyped_storage()._cdata)
 
 
 class GroupPlan:

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 ENV_VAR = "ROUNDPIPE_OPTIM_NUM_THREADS"
+# process-wide (the user's setting): one int, replaced whole, read once per step
 _num_threads: int | None = None
 
 

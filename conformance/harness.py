@@ -16,14 +16,19 @@ One case (``cases.Case``) on one backend (``cases.BACKENDS``) is checked as foll
   - the structure of ``state_dict()``: the same parameter ids in ``['state']`` (no entry where
     torch has none, even an empty one), the same keys per parameter, and ``['param_groups']``
     equal entry by entry (every key, every value; tensors by value, dtype and shape);
-  - every parameter and every state value: tensors with ``torch.testing.assert_close`` at its
-    defaults for their dtype (float32: rtol=1.3e-6, atol=1e-5; dtype and shape checked),
-    other values equal;
+  - every parameter and every state value: on a backend of ``cases.BIT_EXACT`` (see
+    ``exact_backend``) tensors bit for bit (``bits_mismatch``: an integer view of the same
+    width, so ``-0.0 != 0.0``; NaN must meet NaN at the same position, any NaN; complex as its
+    real and imaginary parts; dtype and shape checked); on any other backend with
+    ``torch.testing.assert_close`` at its defaults for their dtype (float32: rtol=1.3e-6,
+    atol=1e-5; dtype and shape checked); other values equal;
 
   and, for a backend other than ``reference``, its parameters and state values are compared
-  the same way with the reference backend's (recorded as ``<backend>-vs-reference``). A
-  deviation declared in ``deviations.py`` replaces assert_close's tolerances for the cases and
-  comparisons it covers;
+  the same way with the reference backend's (recorded as ``<backend>-vs-reference``; bit for
+  bit where the backend is, the reference backend being bit for bit torch's). A deviation
+  declared in ``deviations.py`` replaces assert_close's tolerances for the cases and
+  comparisons it covers (and so the bit-for-bit comparison: a declared deviation is a
+  difference);
 * a case's ``expect``ed branches must have been reached on torch's trajectory;
 * torch (and so roundpipe, which follows torch's thread count) runs on one intra-op thread
   unless ``ROUNDPIPE_CONFORMANCE_THREADS`` says otherwise (see ``conformance_threads``).
@@ -74,13 +79,15 @@ import roundpipe.optim
 from roundpipe.optim.threads import torch_threads
 
 from . import deviations
-from .cases import Case
+from .cases import BIT_EXACT, Case
 
 # assert_close's defaults for float32 / complex64 (torch.testing._comparison)
 RTOL, ATOL = 1.3e-6, 1e-5
 TINY = torch.finfo(torch.float32).tiny
 # A difference using at most this share of assert_close's allowance passes it for certain.
 SAFE_RATIO = 0.5
+# the integer dtype of each floating-point width (bit-for-bit comparisons)
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 CLOSURE_EVERY = 4  # steps 3, 7, 11, ... set their gradients in a closure
 TORCH = "torch"  # the name of torch's run (the backends' names are cases.BACKENDS)
@@ -345,24 +352,109 @@ def compare_structure(ours: Snapshot, theirs: Snapshot, ctx: Context):
                 )
 
 
-def compare_values(ours: Snapshot, theirs: Snapshot, ctx: Context, comparison: str, deviation=None):
+def exact_backend(backend: str) -> tuple[bool, str]:
+    """``(exact, why)``: whether ``backend``'s tensors are compared bit for bit with torch's.
+
+    The backends of ``cases.BIT_EXACT`` claim torch.optim's for-loop bit for bit. ``fast:numba``
+    models this torch's rounding (which of add-with-alpha, addcmul and lerp it fuses, which sqrt
+    routine it runs) by probing it at first use, and claims bit-exactness only where those probes
+    found a model that matches (``NumbaEngine.exact``); elsewhere (another CPU architecture or
+    torch build) it is compared with assert_close, like ``fast:numexpr``, and ``why`` says so in
+    every failure message.
+    """
+    if backend not in BIT_EXACT:
+        return False, ""
+    if backend == "fast:numba":
+        engine = roundpipe.optim.backends.get(backend).numba_engine()
+        if not engine.exact:
+            return False, (
+                "compared with assert_close, not bit for bit: fast:numba's probes found that it "
+                f"does not model this torch's rounding exactly (sqrt: {engine.sqrt_what}; "
+                f"fused: {sorted(engine.fused)})"
+            )
+    return True, ""
+
+
+def bits_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None where ``a`` and ``b`` (same dtype and shape) are equal bit for bit, else how many
+    elements differ and the first one.
+
+    Floating-point tensors are compared as an integer view of the same width (so ``-0.0``
+    differs from ``0.0``, and every ulp counts), NaNs matched by position (any NaN meets any
+    NaN: torch does not specify a NaN's sign or payload); complex tensors as their real and
+    imaginary parts (an element differs where either part does); other dtypes by value.
+    """
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
+    per_element = 1
+    if a.is_complex():
+        a, b = torch.view_as_real(a).reshape(-1), torch.view_as_real(b).reshape(-1)
+        per_element = 2
+    if a.numel() == 0:
+        return None
+    if a.is_floating_point():
+        bits = _INT_OF[a.element_size()]
+        differ = (a.view(bits) != b.view(bits)) & ~(a.isnan() & b.isnan())
+    else:
+        differ = a != b
+    where = differ.nonzero().squeeze(1)
+    if where.numel() == 0:
+        return None
+    first = int(where[0])
+    elements = torch.unique(where // per_element).numel()
+    part = ""
+    if per_element == 2:
+        part = f" ({'real' if first % 2 == 0 else 'imaginary'} part)"
+    av, bv = a[first].item(), b[first].item()
+    hexes = ""
+    if a.is_floating_point():
+        width = 2 * a.element_size()
+        mask = (1 << (8 * a.element_size())) - 1
+        ai, bi = (int(x.view(bits)) & mask for x in (a[first], b[first]))
+        hexes = f" (bits 0x{ai:0{width}x} vs 0x{bi:0{width}x})"
+    return (
+        f"{elements} of {a.numel() // per_element} elements differ in their bits; the first at flat "
+        f"index {first // per_element}{part}: {av!r} vs {bv!r}{hexes}"
+    )
+
+
+def _bit_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of its width (torch.equal on it tells -0.0 from 0.0)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.contiguous().view(_INT_OF[t.element_size()]) if t.is_floating_point() else t
+
+
+def compare_values(
+    ours: Snapshot,
+    theirs: Snapshot,
+    ctx: Context,
+    comparison: str,
+    deviation=None,
+    exact: bool = False,
+    note: str = "",
+):
     """Every parameter and every state value of ``ours`` (roundpipe) against ``theirs``.
 
-    Tensors must pass ``torch.testing.assert_close`` (at its defaults, or at the tolerance of
-    ``deviation``), other values must be equal; see the module docstring for how it is kept fast.
+    ``exact`` (and no ``deviation``): tensors must be equal bit for bit (``bits_mismatch``);
+    else they must pass ``torch.testing.assert_close`` (at its defaults, or at the tolerance of
+    ``deviation``). Other values must be equal. See the module docstring for how it is kept
+    fast. ``note`` is added to every failure message (why a claimed bit-for-bit backend is
+    compared with assert_close here).
     """
     vs = "the reference backend" if comparison.endswith("-vs-reference") else "torch"
     tolerance = deviation.tolerance if deviation is not None else None
+    exact = exact and deviation is None
+    suffix = f" [{note}]" if note else ""
     pairs = []  # (what, a, b)
     for i, (pa, pb) in enumerate(zip(ours.params, theirs.params, strict=True)):
         label = param_label(i)
-        pairs.append((f"{label} value vs {vs}", pa, pb))
+        pairs.append((f"{label} value vs {vs}{suffix}", pa, pb))
         sa, sb = ours.state.get(i, {}), theirs.state.get(i, {})
         if set(sa) != set(sb):
             raise AssertionError(ctx(f"{label}: state keys {sorted(sa)} differ from {vs}'s {sorted(sb)}"))
         for key, vb in sb.items():
             va = sa[key]
-            what = f"{label} state[{key!r}] vs {vs}"
+            what = f"{label} state[{key!r}] vs {vs}{suffix}"
             if isinstance(vb, torch.Tensor) or isinstance(va, torch.Tensor):
                 if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
                     raise AssertionError(ctx(f"{what}: {type(va).__name__} vs {type(vb).__name__}"))
@@ -371,6 +463,32 @@ def compare_values(ours: Snapshot, theirs: Snapshot, ctx: Context, comparison: s
                 raise AssertionError(ctx(f"{what}: {va!r} != {vb!r}"))
 
     worst = [0.0, 0.0, 0.0, ""]
+    try:
+        if exact:
+            _compare_bits(pairs, ctx, worst)
+        else:
+            _compare_close(pairs, ctx, worst, tolerance, vs)
+    finally:
+        RECORDER.add(
+            ctx.case.optimizer, comparison, ctx.case.id, f"step {ctx.step} {worst[3]}", worst[:3], deviation
+        )
+
+
+def _compare_bits(pairs, ctx, worst):
+    """Every pair bit for bit (``bits_mismatch``), dtype, shape and layout first."""
+    for what, a, b in pairs:
+        if _same_meta(a, b) and a.layout == torch.strided and torch.equal(_bit_view(a), _bit_view(b)):
+            continue  # the common case, quickly (NaNs with other bits are examined below)
+        if not _same_meta(a, b) or a.layout != torch.strided:
+            _assert_close(a, b, ctx, what)  # raises on a metadata mismatch
+        _worst(worst, errors(a, b), [(what, a, b)])
+        why = bits_mismatch(a, b)
+        if why is not None:
+            raise AssertionError(ctx(f"{what}: not bit for bit (a bit-exact backend): {why}"))
+
+
+def _compare_close(pairs, ctx, worst, tolerance, vs):
+    """Every pair with assert_close (see the module docstring for the shortcuts)."""
     groups: dict = {}
     for what, a, b in pairs:
         if (
@@ -382,26 +500,21 @@ def compare_values(ours: Snapshot, theirs: Snapshot, ctx: Context, comparison: s
             _worst(worst, errors(a, b), [(what, a, b)])
         elif not torch.equal(a, b):
             groups.setdefault(a.dtype, []).append((what, a, b))
-    try:
-        for items in groups.values():
-            flat_a = torch.cat([a.reshape(-1) for _, a, _ in items])
-            flat_b = torch.cat([b.reshape(-1) for _, _, b in items])
-            errs = errors(flat_a, flat_b)
-            _worst(worst, errs, items)
-            if errs[4] and errs[2] <= SAFE_RATIO:
-                continue
-            try:
-                torch.testing.assert_close(flat_a, flat_b, **(tolerance or {}))
-                continue
-            except AssertionError as error:
-                flat_error = str(error)
-            for what, a, b in items:  # name the failing tensor (outside the except: no chained traceback)
-                _assert_close(a, b, ctx, what, tolerance)
-            raise AssertionError(ctx(f"concatenated comparison with {vs} failed: {flat_error}"))
-    finally:
-        RECORDER.add(
-            ctx.case.optimizer, comparison, ctx.case.id, f"step {ctx.step} {worst[3]}", worst[:3], deviation
-        )
+    for items in groups.values():
+        flat_a = torch.cat([a.reshape(-1) for _, a, _ in items])
+        flat_b = torch.cat([b.reshape(-1) for _, _, b in items])
+        errs = errors(flat_a, flat_b)
+        _worst(worst, errs, items)
+        if errs[4] and errs[2] <= SAFE_RATIO:
+            continue
+        try:
+            torch.testing.assert_close(flat_a, flat_b, **(tolerance or {}))
+            continue
+        except AssertionError as error:
+            flat_error = str(error)
+        for what, a, b in items:  # name the failing tensor (outside the except: no chained traceback)
+            _assert_close(a, b, ctx, what, tolerance)
+        raise AssertionError(ctx(f"concatenated comparison with {vs} failed: {flat_error}"))
 
 
 def _worst(worst, errs, items):
@@ -587,6 +700,9 @@ def _run_case(case: Case, backend: str):
         if backend in SHARED_RUNS
         else steps(case, backend, keep=False)
     )
+    # bit for bit where the backend claims it (and so against the reference backend, which is
+    # bit for bit torch's), assert_close elsewhere (exact_backend)
+    exact, note = exact_backend(backend)
     ctx = Context(case, backend)
     for step, snap in enumerate(ours):
         ctx.step = step
@@ -597,9 +713,11 @@ def _run_case(case: Case, backend: str):
                     ctx(f"step() returned {snap.loss!r}, torch's returned {expected.loss!r}")
                 )
             compare_structure(snap, expected, ctx)
-            compare_values(snap, expected, ctx, backend, by["torch"])
+            compare_values(snap, expected, ctx, backend, by["torch"], exact, note)
             if ref is not None:
-                compare_values(snap, ref.snapshots[step], ctx, f"{backend}-vs-reference", by["reference"])
+                compare_values(
+                    snap, ref.snapshots[step], ctx, f"{backend}-vs-reference", by["reference"], exact, note
+                )
 
     missing = set(case.expect) - theirs.seen
     if missing:

@@ -121,3 +121,91 @@ def test_declared_deviations_are_checked_and_an_xfail_is_strict(monkeypatch):
         monkeypatch.setattr(deviations, "DEVIATIONS", (bad,))
         with pytest.raises(AssertionError, match="declared deviation"):
             deviations.check(CASES, BACKENDS)
+
+
+# ---------------------------------------------------------------------------------------------
+# the bit-for-bit comparison (cases.BIT_EXACT)
+
+
+def _with(snap, index, element, value):
+    """A copy of ``snap`` whose parameter ``index`` holds ``value`` at flat ``element`` (the
+    real component of a complex parameter)."""
+    out = Snapshot(snap.loss, [p.clone() for p in snap.params], snap.state, snap.param_groups)
+    flat = out.params[index].view(-1)
+    real = torch.view_as_real(flat)[:, 0] if flat.is_complex() else flat
+    real[element] = value
+    return out
+
+
+def _ulp_up(x):
+    return torch.nextafter(torch.tensor(x), torch.tensor(float("inf"))).item()
+
+
+@pytest.mark.parametrize("index", [3, 7, 10])  # 0-d, float32 70001, complex64 33000
+def test_exact_comparison_fails_on_one_ulp(index):
+    theirs = _snapshot()
+    element = 0 if index == 3 else 123
+    flat = theirs.params[index].view(-1)
+    b = (torch.view_as_real(flat)[:, 0] if flat.is_complex() else flat)[element].item()
+    ours = _with(theirs, index, element, _ulp_up(b))
+    compare_values(ours, theirs, CTX, "fast:numba")  # well inside assert_close's allowance
+    part = r" \(real part\)" if index == 10 else ""
+    with pytest.raises(
+        AssertionError,
+        match=rf"param\[{index}\] .* value vs torch: not bit for bit .*: 1 of \d+ elements differ in "
+        rf"their bits; the first at flat index {element}{part}: ",
+    ):
+        compare_values(ours, theirs, CTX, "fast:numba", exact=True)
+    st = harness.RECORDER.stats[("SGD", "fast:numba")]
+    assert 0 < st.max_abs < 1e-6  # the failing comparison is recorded too
+
+
+def test_exact_comparison_tells_signed_zeros_apart():
+    theirs = _with(_snapshot(), 7, 5, 0.0)
+    ours = _with(theirs, 7, 5, -0.0)
+    compare_values(ours, theirs, CTX, "fast:numba")  # assert_close: -0.0 == 0.0
+    with pytest.raises(AssertionError, match=r"index 5: -0\.0 vs 0\.0 \(bits 0x80000000 vs 0x00000000\)"):
+        compare_values(ours, theirs, CTX, "fast:numba", exact=True)
+
+
+def test_exact_comparison_matches_nans_by_position():
+    nan = float("nan")
+    theirs = _with(_with(_snapshot(), 7, 5, nan), 10, 2, nan)
+    ours = _with(_with(theirs, 7, 5, -nan), 10, 2, nan)  # another NaN (sign bit set) is a NaN
+    assert not torch.equal(harness._bit_view(ours.params[7]), harness._bit_view(theirs.params[7]))
+    compare_values(ours, theirs, CTX, "fast:numba", exact=True)
+    for index, element in ((7, 5), (10, 2)):
+        with pytest.raises(AssertionError, match=rf"param\[{index}\] .* index {element}\b"):
+            compare_values(_with(theirs, index, element, 1.0), theirs, CTX, "fast:numba", exact=True)
+
+
+def test_exact_comparison_counts_the_differing_elements_and_checks_state():
+    buf = torch.zeros(3, 5)
+    off = buf.clone()
+    off.view(-1)[[4, 9, 10]] = torch.tensor([1e-30, -0.0, 1e-30])
+    theirs, ours = _snapshot({0: {"momentum_buffer": buf}}), _snapshot({0: {"momentum_buffer": off}})
+    with pytest.raises(
+        AssertionError, match=r"state\['momentum_buffer'\] .*: 3 of 15 elements differ .* flat index 4: "
+    ):
+        compare_values(ours, theirs, CTX, "fast:numba", exact=True)
+    # a declared deviation is a declared difference: its tolerance applies, not bit equality
+    dev = Deviation(("fast:numba",), "SGD", {}, "test", "test", tolerance={"rtol": RTOL, "atol": 4e-5})
+    compare_values(ours, theirs, CTX, "fast:numba", dev, exact=True)
+
+
+def test_which_backends_are_compared_bit_for_bit(monkeypatch):
+    from roundpipe.optim import backends
+
+    assert harness.exact_backend("fast:numexpr") == (False, "")
+    assert harness.exact_backend("reference") == (True, "")
+    assert harness.exact_backend("fast:torch") == (True, "")
+    engine = backends.get("fast:numba").numba_engine()
+    assert harness.exact_backend("fast:numba") == (engine.exact, harness.exact_backend("fast:numba")[1])
+    # where the engine's probes find this torch's rounding unmodelled: assert_close, and the
+    # failure messages say why
+    monkeypatch.setattr(engine, "exact", False)
+    exact, note = harness.exact_backend("fast:numba")
+    assert not exact and "not bit for bit" in note and "probes" in note
+    theirs = _snapshot()
+    with pytest.raises(AssertionError, match=r"value vs torch \[compared with assert_close, not bit"):
+        compare_values(_perturbed(theirs, 7, 123, 2.0), theirs, CTX, "fast:numba", exact=exact, note=note)

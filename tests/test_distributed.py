@@ -47,12 +47,12 @@ SPAWN_TIMEOUT = 180  # seconds for the whole two-process run
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)  # per collective, so that a hang names the collective
 
 # (optimizer, parameters_as_bucket_view, roundpipe backend): every optimizer once, bucket views
-# on for every other one, the reference backend for a few
-ZERO_CASES = [
-    (name, i % 2 == 1, "reference" if name in ("Adam", "RMSprop") else "fast")
-    for i, name in enumerate(OPTIMIZER_NAMES)
-]
-FSDP_CASES = [("Adam", "fast"), ("Adam", "reference"), ("SGD", "fast")]
+# on for every other one; the default (fast: its numba engine) for most, the torch engine and
+# the reference backend for a few
+ZERO_BACKENDS = {"Adam": "reference", "RMSprop": "reference", "AdamW": "fast:torch", "SGD": "fast:torch"}
+ZERO_CASES = [(name, i % 2 == 1, ZERO_BACKENDS.get(name, "fast")) for i, name in enumerate(OPTIMIZER_NAMES)]
+FSDP_CASES = [("Adam", "fast"), ("Adam", "fast:torch"), ("Adam", "reference"), ("SGD", "fast")]
+DCP_BACKENDS = ["fast", "fast:torch"]  # get/set_optimizer_state_dict on a DDP module
 
 
 def _zero_id(case):
@@ -104,7 +104,7 @@ def _worker(rank, port, out_dir):
         results = {"zero": {}, "dcp_ddp": {}, "fsdp": {}}
         for case in ZERO_CASES:
             results["zero"][_zero_id(case)] = _zero_case(rank, *case)
-        results["dcp_ddp"] = _dcp_ddp_case(rank)
+        results["dcp_ddp"] = {backend: _dcp_ddp_case(rank, backend) for backend in DCP_BACKENDS}
         for name, backend in FSDP_CASES:
             results["fsdp"][f"{name}-{backend}"] = _fsdp_case(rank, name, backend)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -142,23 +142,24 @@ def _zero_case(rank, name, bucket_view, backend):
     return out
 
 
-def _dcp_ddp_case(rank):
+def _dcp_ddp_case(rank, backend):
     """get/set_optimizer_state_dict on a DDP module: reload mid-run, continue like no reload."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     name = "AdamW"
     model = DDP(_model())
-    opt = rp_class(name)(model.parameters(), **_kwargs(name))
+    opt = rp_class(name)(model.parameters(), backend=backend, **_kwargs(name))
     _train(model, opt, rank, range(2))
     osd = _detached(get_optimizer_state_dict(model, opt))
     model2 = DDP(_model())
     model2.module.load_state_dict(model.module.state_dict())
-    opt2 = rp_class(name)(model2.parameters(), **_kwargs(name))
+    opt2 = rp_class(name)(model2.parameters(), backend=backend, **_kwargs(name))
     set_optimizer_state_dict(model2, opt2, osd)
     _train(model, opt, rank, range(2, STEPS))
     _train(model2, opt2, rank, range(2, STEPS))
     return {
+        "backends": (opt.backend, opt2.backend),
         "straight": [p.detach().clone() for p in model.parameters()],
         "reloaded": [p.detach().clone() for p in model2.parameters()],
     }
@@ -254,9 +255,11 @@ def test_zero_redundancy_optimizer_matches_torch(two_ranks, case):
     assert_state_dicts_close(sd_ours, sd_theirs)
 
 
-def test_dcp_round_trip_on_ddp_module(two_ranks):
+@pytest.mark.parametrize("backend", DCP_BACKENDS)
+def test_dcp_round_trip_on_ddp_module(two_ranks, backend):
     for results in two_ranks:
-        res = results["dcp_ddp"]
+        res = results["dcp_ddp"][backend]
+        assert res["backends"] == (backend, backend)
         assert_params_close(res["reloaded"], res["straight"], rtol=0, atol=0)
 
 
@@ -289,8 +292,12 @@ def test_fsdp2_matches_torch_or_refuses_cleanly(two_ranks, case):
 # torch.distributed.checkpoint.state_dict in this process (plain module, no process group)
 
 
-@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
-def test_dcp_get_set_optimizer_state_dict(name, flatten):
+@pytest.mark.parametrize(
+    ("flatten", "backend"),
+    [(False, "fast"), (True, "fast"), (False, "fast:torch")],
+    ids=["nested-fast", "flattened-fast", "nested-fast:torch"],
+)
+def test_dcp_get_set_optimizer_state_dict(name, flatten, backend):
     """get_optimizer_state_dict (whose first call on a fresh optimizer runs a zero-lr step to
     create the state) gives what it gives for torch.optim; set_optimizer_state_dict into a
     fresh roundpipe optimizer continues exactly like the uninterrupted run."""
@@ -303,7 +310,7 @@ def test_dcp_get_set_optimizer_state_dict(name, flatten):
     options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     runs = {}
     for kind, make in (
-        ("roundpipe", lambda ps: rp_class(name)(ps, **_kwargs(name))),
+        ("roundpipe", lambda ps: rp_class(name)(ps, backend=backend, **_kwargs(name))),
         ("torch", lambda ps: torch_class(name)(ps, **_kwargs(name))),
     ):
         model = _model()

@@ -11,6 +11,7 @@ import copy
 import io
 import itertools
 import math
+import threading
 
 import torch
 
@@ -287,3 +288,27 @@ def all_programs(spec):
         opts = {**base, **dict(zip(toggles, values, strict=True))}
         out.append((opts, spec.program(opts)))
     return out
+
+
+def run_threads(timeout: float, targets) -> None:
+    """Run each callable in its own thread; fail on a hang (``timeout`` seconds per thread);
+    re-raise the first exception in the calling thread."""
+    errors = []
+
+    def wrap(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # reported below, in the calling thread
+                errors.append(e)
+
+        return run
+
+    threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), f"a thread did not finish in {timeout} s (hang)"
+    if errors:
+        raise errors[0]

@@ -39,6 +39,7 @@ from tests._util import (
     assert_bits_equal,
     assert_unchanged,
     rp_class,
+    run_threads,
     snapshot,
     torch_class,
 )
@@ -546,28 +547,6 @@ def _train(opt, params, seed, barrier=None):
         opt.step()
 
 
-def _run_threads(targets):
-    errors = []
-
-    def wrap(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # re-raised in the main thread
-                errors.append(e)
-
-        return run
-
-    threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=JOIN_TIMEOUT)
-    assert not any(t.is_alive() for t in threads), f"a thread did not finish in {JOIN_TIMEOUT} s"
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize("rp_threads", [None, 2], ids=["threads-default", "threads-2"])
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -587,7 +566,7 @@ def test_concurrent_steps_of_one_program_are_the_sequential_ones(backend, n, rp_
     roundpipe.optim.set_num_threads(rp_threads)
     runs = [_thread_problem(backend, seed) for seed in range(n)]
     barrier = threading.Barrier(n)
-    _run_threads([lambda s=seed, r=run: _train(*r, s, barrier) for seed, run in enumerate(runs)])
+    run_threads(JOIN_TIMEOUT, [lambda s=seed, r=run: _train(*r, s, barrier) for seed, run in enumerate(runs)])
     for seed, ((opt, params), (ref, ref_params)) in enumerate(zip(runs, alone, strict=True)):
         for i, (p, q) in enumerate(zip(params, ref_params, strict=True)):
             assert_bits_equal(p.detach(), q.detach(), f"thread {seed}: param {i}")

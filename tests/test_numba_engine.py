@@ -774,7 +774,6 @@ def test_unwritable_cache_dir_compiles_in_memory_and_warns_once(how, tmp_path, m
     numba_engine.sqrt_kind()  # the once-per-process probe (it compiles a kernel of its own) first
     directory = _read_only_dir(tmp_path, how)
     monkeypatch.setenv(numba_engine.CACHE_ENV_VAR, str(directory))
-    monkeypatch.setattr(numba_engine, "_modules", {})
     monkeypatch.setattr(numba_engine, "_warned_readonly", False)
     be = numba_engine.NumbaEngine()
     results = []

@@ -38,6 +38,7 @@ from tests._util import (
     make_params,
     rp_class,
     run_steps,
+    run_threads,
     set_grads,
     snapshot,
     torch_class,
@@ -558,29 +559,6 @@ def _train(opt, params, seed, steps, barrier=None):
         opt.step()
 
 
-def _run_threads(targets):
-    """Run each callable in its own thread; fail on a hang; re-raise the first exception."""
-    errors = []
-
-    def wrap(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # reported below, in the main thread
-                errors.append(e)
-
-        return run
-
-    threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=JOIN_TIMEOUT)
-    assert not any(t.is_alive() for t in threads), f"a thread did not finish in {JOIN_TIMEOUT} s (hang)"
-    if errors:
-        raise errors[0]
-
-
 def test_two_optimizers_in_two_threads(name, engine, monkeypatch):
     """Two optimizers (this one and the next in the list: two programs) stepping at the same
     time from two threads, on a fresh fast backend (so they also compile at the same time),
@@ -601,7 +579,9 @@ def test_two_optimizers_in_two_threads(name, engine, monkeypatch):
     monkeypatch.setattr(rp_backends, "_instances", {})
     (ca, qa), (cb, qb) = build()
     barrier = threading.Barrier(2)
-    _run_threads([lambda: _train(ca, qa, 1, steps, barrier), lambda: _train(cb, qb, 2, steps, barrier)])
+    run_threads(
+        JOIN_TIMEOUT, [lambda: _train(ca, qa, 1, steps, barrier), lambda: _train(cb, qb, 2, steps, barrier)]
+    )
     assert_params_close(qa, pa, rtol=0, atol=0)
     assert_params_close(qb, pb, rtol=0, atol=0)
     assert_state_dicts_close(ca.state_dict(), oa.state_dict(), rtol=0, atol=0)

@@ -564,8 +564,6 @@ def _probe_kind() -> str:
 # compilation and the on-disk cache
 
 _warned_readonly = False  # process-wide, unlocked: a race can at worst warn twice
-_modules: dict = {}  # module name -> module (or namespace) holding the kernel function
-_modules_lock = threading.Lock()
 
 
 def _warn_uncached(directory, err):

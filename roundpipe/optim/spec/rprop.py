@@ -17,9 +17,9 @@ def init_state(group, p, state):
         state["step"] = zero_step()
         state["prev"] = zeros_like(p)
         if p.dtype.is_complex:
-            state["step_size"] = torch.full_like(p.grad, complex(group["lr"], group["lr"]))
+            state["step_size"] = torch.full_like(p, complex(group["lr"], group["lr"]))
         else:
-            state["step_size"] = torch.full_like(p.grad, to_scalar(group["lr"]))
+            state["step_size"] = torch.full_like(p, to_scalar(group["lr"]))
 
 
 def options(group):

@@ -274,9 +274,11 @@ def test_fma_is_used_where_torch_fuses():
     src = numba_engine.kernel_source(
         _every_function_program(), (True,), fused=frozenset({"add", "addcmul", "lerp"})
     )
-    # add(alpha=wd), addcmul(value=...), lerp, addcmul(value=1), in the last pass of each of
-    # the two loops
-    assert sum(_final_pass(src, k).count("fma(") for k in ("kernel_parallel", "kernel_serial")) == 2 * 4
+    # pass 0 of each of the two loops: add(alpha=wd), lerp, addcmul(value=...) (acc's final
+    # value, stored there); the last pass: add(alpha=wd), lerp (buf and g are recomputed, acc is
+    # read back) and addcmul(value=1)
+    assert sum(_final_pass(src, k).count("fma(") for k in ("kernel_parallel", "kernel_serial")) == 2 * 3
+    assert src.count("fma(") == 2 * (3 + 3)
     assert "from roundpipe.optim.backends.numba_engine import f32ptr, fma, call_sqrt_at" in src
 
 
@@ -306,9 +308,9 @@ def _final_pass(src, name):
 
 
 def test_generated_source_reads_once_writes_once_and_has_no_literals():
-    """One parallel region; the last pass over a block reads each input once and writes each
-    target once, stores last; the passes before it (one per sqrt) store nothing but the
-    sqrt's argument in its block buffer."""
+    """One parallel region; every target is written once per block, stores last in their pass:
+    pass 0 (the sqrt's argument) stores the targets whose final value it computes (here acc),
+    the last pass the others; each pass reads each array at most once."""
     prog = _every_function_program()
     ks = numba_engine.generate(prog, (False,), fused=frozenset({"add"}))
     par, ser = ks.source.split("def kernel_parallel(", 1)[1].split("def kernel_serial(")
@@ -320,20 +322,23 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
         isinstance(node, Call) and node.fn == "sqrt" for st in prog.statements for node in walk(st.expr)
     )
     assert n_sqrt == 1 and len(passes) == 1 + n_sqrt + 1  # argument pass, sqrt (fallback loop), last
-    lines = passes[-1]
+    first, last = passes[0], passes[-1]
     for i, name in enumerate(prog.tensors):
         array = f"t{i}_{name}"
-        reads = [ln for ln in lines if ln.endswith(f"= {array}[i]")]
-        writes = [ln for ln in lines if ln.startswith(f"{array}[i] =")]
-        assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(writes), name
-        assert len(writes) == (1 if name in prog.targets else 0), name
+        writes = 0
+        for lines in (first, last):
+            reads = [ln for ln in lines if ln.endswith(f"= {array}[i]") or f"= {array}[i]" in ln]
+            w = [ln for ln in lines if ln.startswith(f"{array}[i] =")]
+            assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(w), name
+            writes += len(w)
+        assert writes == (1 if name in prog.targets else 0), name
         # the block's own views (from index 0: no wraparound code, so LLVM vectorizes)
         binds = [ln for ln in ser.splitlines() if ln.strip().startswith(f"{array} = carray(")]
         assert len(binds) == 1 and "4 * (lo + b0)), mb)" in binds[0], name
-    stores = [ln for ln in lines if ln.startswith("t") and "[i] =" in ln]
-    assert lines[-len(prog.targets) :] == stores  # stores last
-    for earlier in passes[:-1]:
-        assert not any(ln.startswith("t") and "[i] =" in ln for ln in earlier)
+    assert any(ln.startswith("t3_acc[i] =") for ln in first)  # acc's final value: stored in pass 0
+    for lines in (first, last):
+        stores = [ln for ln in lines if ln.startswith(("t", "q0[i]")) and "[i] =" in ln]
+        assert lines[-len(stores) :] == stores  # stores last
     # numba types a Python float literal as float64: every float is a float32 read from sv; the
     # only literals are integers (indices, the block size)
     numbers = [

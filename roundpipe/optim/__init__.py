@@ -2,10 +2,14 @@
 
 Each class (``Adam``, ``AdamW``, ``SGD`` ... one per entry of the spec registry) subclasses its
 ``torch.optim`` namesake (same signature, defaults, errors, state and ``state_dict``) and adds
-a keyword-only ``backend=``: ``"fast"`` (the default: no compiler, small tensors batched, the
-torch engine), ``"fast:numexpr"`` (the design card's numexpr engine), ``"native"`` (numba, one
-parallel loop per step) or ``"reference"`` (plain torch ops); ``ROUNDPIPE_OPTIM_BACKEND`` sets
-the default.
+a keyword-only ``backend=``: ``"fast"`` (the default: the numba engine, one compiled parallel
+pass per step, bit for bit torch.optim's for-loop), ``"fast:torch"`` (chunked torch ops, no
+compiler), ``"fast:numexpr"`` (the design card's numexpr engine) or ``"reference"`` (plain torch
+ops); ``ROUNDPIPE_OPTIM_BACKEND`` sets the default.
+
+fp32 masters for a bf16/fp16 model (``masters.py``): ``fp32_masters(model)`` pairs each
+low-precision parameter with an fp32 master; a step then reads the partner's gradient and writes
+the partner back, in the same pass.
 
 Where things live:
 
@@ -13,9 +17,10 @@ Where things live:
 * the statement language: ``roundpipe/optim/spec/ir.py``;
 * the backends and their interface: ``roundpipe/optim/backends/__init__.py``;
 * the step plan (what a step needs, checked cheaply every step): ``roundpipe/optim/plan.py``;
-* the API: ``roundpipe/optim/optimizer.py``.
+* the API: ``roundpipe/optim/optimizer.py``; masters and partners: ``roundpipe/optim/masters.py``.
 """
 
+from .masters import fp32_masters, pair, partner_of, unpair
 from .optimizer import RoundpipeOptimizer
 from .spec import SPECS
 from .threads import get_num_threads, set_num_threads
@@ -38,4 +43,13 @@ def _optimizer_class(spec):
 
 globals().update({name: _optimizer_class(spec) for name, spec in SPECS.items()})
 
-__all__ = [*SPECS, "RoundpipeOptimizer", "get_num_threads", "set_num_threads"]
+__all__ = [
+    *SPECS,
+    "RoundpipeOptimizer",
+    "fp32_masters",
+    "get_num_threads",
+    "pair",
+    "partner_of",
+    "set_num_threads",
+    "unpair",
+]

@@ -26,6 +26,7 @@ from torch.optim import optimizer as _torch_optimizer
 
 from . import backends
 from .backends import Checked
+from .masters import partner_of
 from .plan import adopt_flat_state, rollback
 from .plan import build as build_plan
 from .spec.core import Scratch
@@ -85,6 +86,24 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
     # the same hooks (_hooked_step) at a tenth of its cost, which a step of one parameter pays
     step.hooked = True
 
+    @torch._disable_dynamo
+    def zero_grad(self, set_to_none: bool = True):
+        """torch's ``zero_grad``, and the same for the gradients of the masters' partners
+        (``roundpipe.optim.pair``): the step reads those."""
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                q = partner_of(p)
+                if q is not None and q.grad is not None:
+                    if set_to_none:
+                        q.grad = None
+                    else:
+                        if q.grad.grad_fn is not None:
+                            q.grad.detach_()
+                        else:
+                            q.grad.requires_grad_(False)
+                        q.grad.zero_()
+
     def _schedule(self, plan, grads):
         """Each unit's scalars (on scratch copies of its 0-d state) and the step's launches: one
         per distinct program, over every unit that runs it. Writes nothing. None when a unit's
@@ -122,15 +141,16 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                     program = spec.program({**gp.options, **flags})
                     plan.cache[unit] = (flags, program)
                 grad_col = gp.grad_columns(group_grads, unit)
-                by_program.setdefault(program, []).append((unit, values, grad_col))
+                by_program.setdefault((program, unit.pairing), []).append((unit, values, grad_col))
         launches = []
-        for program, parts in by_program.items():
+        for (program, pairing), parts in by_program.items():
             key = (program, tuple(id(unit) for unit, _, _ in parts))
             hit = plan.cache.get(key)
             if hit is None:
+                names = (*program.tensors, "partner") if pairing[1] is not None else program.tensors
                 static = {
                     n: Checked(t for unit, _, _ in parts for t in unit.columns[n])
-                    for n in program.tensors
+                    for n in names
                     if n != "grad"
                 }
                 hit = plan.cache[key] = (static, {})

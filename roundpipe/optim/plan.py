@@ -32,10 +32,14 @@ import sys
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import masters
 from .backends import Checked
+from .masters import partner_of, partner_problem
 from .spec.core import Options, Scratch
 
 SUPPORTED_DTYPES = (torch.float32, torch.complex64)
+# a unit's pairing (masters.py): (its gradients' dtype, its partners' dtype or None)
+NO_PAIRING = (torch.float32, None)
 _STRIDED = torch.strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -164,11 +168,13 @@ class Unit:
 
     # No reference back to the GroupPlan: a plan holds no reference cycle, so a replaced plan
     # is freed at once (its views of the flat buffers would otherwise skew ``scalar_uses``).
-    __slots__ = ("positions", "flags", "scalar_columns", "scalar_flat", "scalar_uses", "columns")
+    __slots__ = ("positions", "flags", "pairing", "scalar_columns", "scalar_flat", "scalar_uses", "columns")
 
-    def __init__(self, group_plan, positions, flags):
+    def __init__(self, group_plan, positions, flags, pairing=NO_PAIRING):
         self.positions = positions  # indices into group_plan.params
         self.flags = flags
+        # (the gradients' dtype, the partners' dtype or None): one kind of pairing per unit
+        self.pairing = pairing
         states = [group_plan.states[i] for i in positions]
         self.scalar_columns = {n: [st[n] for st in states] for n in group_plan.scalar_names}
         # 0-d state born in one buffer (adopt_flat_state) is checked and written in one op each
@@ -184,6 +190,8 @@ class Unit:
         self.columns = {"param": [group_plan.reals[i] for i in positions]}
         for name in group_plan.inputs:
             self.columns[name] = [real(st[name]) for st in states]
+        if pairing[1] is not None:
+            self.columns["partner"] = [group_plan.partners[i] for i in positions]
 
     def uniform(self) -> bool:
         """Whether the members' 0-d state (``step``, ...) still holds one value per name, in
@@ -251,9 +259,14 @@ class GroupPlan:
         "plain",
         "complex",
         "units",
+        "partners",
+        "sources",
+        "partner_ptrs",
+        "grad_shapes",
+        "grad_dtypes",
     )
 
-    def __init__(self, spec, gi, group, indices, params, states, init_flags, options):
+    def __init__(self, spec, gi, group, indices, params, states, init_flags, options, pairs=None):
         self.gi = gi
         self.group = group
         self.params_list = group["params"]
@@ -276,11 +289,24 @@ class GroupPlan:
         self.tensors = {n: [st[n] for st in states] for n in (*self.inputs, *self.scalar_names)}
         # and where their storage is (``.data =`` or ``.set_()`` moves it under the same object)
         self.tensor_ptrs = {n: _ptrs(self.tensors[n], self.plain) for n in self.inputs}
+        # pairs: (partners, sources) from build, or None when no parameter of the group has a
+        # partner (the step then never looks for one). sources[i]: the step reads the partner's
+        # gradient (else the master's own)
+        self.partners, self.sources = pairs if pairs is not None else (None, None)
+        if self.partners is not None:
+            self.partner_ptrs = [q.data_ptr() if q is not None else 0 for q in self.partners]
+            grad_like = [
+                q if src else p for p, q, src in zip(params, self.partners, self.sources, strict=True)
+            ]
+            self.grad_shapes = [t.shape for t in grad_like]
+            self.grad_dtypes = [t.dtype for t in grad_like]
         self.units = _units(self, init_flags)
 
     def grads(self):
         """This step's gradients, or None when a check fails (the caller rebuilds)."""
         params = self.params
+        if self.partners is not None:
+            return self._paired_grads()
         grads = [p.grad for p in params]
         if not all([g is not None for g in grads]):  # not `None in grads`: that calls Tensor.__eq__
             return None
@@ -292,6 +318,44 @@ class GroupPlan:
                 if tensor_problem(g, "", like=p) is not None:
                     return None
         return grads
+
+    def _paired_grads(self):
+        grads = []
+        for p, q, src in zip(self.params, self.partners, self.sources, strict=True):
+            own = p.grad
+            if src:
+                if own is not None or q.grad is None:
+                    return None
+                grads.append(q.grad)
+            else:
+                if own is None or (q is not None and q.grad is not None):
+                    return None
+                grads.append(own)
+        if not _grads_ok(grads, self.grad_shapes, self.grad_dtypes):
+            return None
+        if [q.data_ptr() if q is not None else 0 for q in self.partners] != self.partner_ptrs:
+            return None
+        return grads
+
+    def current_grads(self):
+        """The gradients the step reads (a partner's where ``sources`` says so), unchecked."""
+        if self.partners is None:
+            return [p.grad for p in self.params]
+        return [
+            q.grad if src else p.grad
+            for p, q, src in zip(self.params, self.partners, self.sources, strict=True)
+        ]
+
+    def stepped(self) -> int:
+        """How many parameters of the group have a gradient now (their own or a partner's)."""
+        params = self.params_list
+        if self.partners is None:
+            return sum([p.grad is not None for p in params])
+        n = 0
+        for p in params:
+            q = partner_of(p)
+            n += p.grad is not None or (q is not None and q.grad is not None)
+        return n
 
     def grad_columns(self, grads, unit):
         """The unit's real float32 local gradient tensors."""
@@ -308,17 +372,32 @@ def _ptrs(params, plain):
     return [local(p).data_ptr() for p in params]
 
 
+def _pairings(gp):
+    if gp.partners is None:
+        return [NO_PAIRING] * len(gp.params)
+    return [
+        (q.dtype if src else torch.float32, None if q is None else q.dtype)
+        for q, src in zip(gp.partners, gp.sources, strict=True)
+    ]
+
+
 def _units(gp, init_flags):
     names = gp.scalar_names
     states = gp.states
     n = len(gp.params)
-    if n and all(f == init_flags[0] for f in init_flags) and _uniform(states, names):
-        return [Unit(gp, list(range(n)), init_flags[0])]
+    pairings = _pairings(gp)
+    if (
+        n
+        and all(f == init_flags[0] for f in init_flags)
+        and all(k == pairings[0] for k in pairings)
+        and _uniform(states, names)
+    ):
+        return [Unit(gp, list(range(n)), init_flags[0], pairings[0])]
     buckets: dict = {}
     for i, (st, flags) in enumerate(zip(states, init_flags, strict=True)):
-        key = (tuple(sorted(flags.items())), tuple((st[m].item(), st[m].dtype) for m in names))
+        key = (tuple(sorted(flags.items())), tuple((st[m].item(), st[m].dtype) for m in names), pairings[i])
         buckets.setdefault(key, []).append(i)
-    return [Unit(gp, pos, dict(key[0])) for key, pos in buckets.items()]
+    return [Unit(gp, pos, dict(key[0]), key[2]) for key, pos in buckets.items()]
 
 
 def _uniform(states, names) -> bool:
@@ -348,6 +427,7 @@ class StepPlan:
         self.n_groups = len(opt.param_groups)
         self.state = opt.state
         self.state_ids = list(map(id, opt.state.values()))
+        self.pairings = masters.generation()  # pair()/unpair() since: rebuild
         self.groups = groups
         self.cache: dict = {}  # launch key -> (static columns, backend cache)
         self.one_shot = False
@@ -360,6 +440,8 @@ class StepPlan:
             return None
         if opt.state is not self.state or list(map(id, opt.state.values())) != self.state_ids:
             return None
+        if masters.generation() != self.pairings:
+            return None
         out = []
         is_ = operator.is_
         for gp, group in zip(self.groups, opt.param_groups, strict=False):
@@ -367,9 +449,7 @@ class StepPlan:
                 return None
             if len(gp.params_list) != gp.n_params or spec.options(group) != gp.options:
                 return None
-            if len(gp.indices) != gp.n_params and sum([p.grad is not None for p in gp.params_list]) != len(
-                gp.indices
-            ):
+            if len(gp.indices) != gp.n_params and gp.stepped() != len(gp.indices):
                 return None
             grads = gp.grads() if gp.params else []
             if grads is None or _ptrs(gp.params, gp.plain) != gp.ptrs:
@@ -464,23 +544,17 @@ def build(opt, spec, backend=None):
     state = opt.state
     work, seen = [], set()
     for gi, group in enumerate(opt.param_groups):
-        indices = [pi for pi, p in enumerate(group["params"]) if p.grad is not None]
-        params = [group["params"][pi] for pi in indices]
-        for pi, p in zip(indices, params, strict=True):
-            where = where_of(name, gi, pi, p)
-            problem = tensor_problem(p, "") or tensor_problem(p.grad, ": its grad", like=p)
-            if problem is not None:
-                _raise(problem, where)
+        indices, params, pairs = _stepped(name, gi, group["params"])
         ids = list(map(id, params))
         if len(set(ids)) != len(ids) or not seen.isdisjoint(ids):
             _raise_duplicate(name, gi, indices, params, seen)
         seen.update(ids)
-        work.append((gi, group, indices, params))
+        work.append((gi, group, indices, params, pairs))
     _check_overlap(name, work)
     created = []  # (param, state dict, number of entries it had, whether it was added to state)
     try:
         groups = []
-        for gi, group, indices, params in work:
+        for gi, group, indices, params, pairs in work:
             options = spec.options(group)
             o = Options(options)
             inputs = [n for n in spec.inputs(o) if n not in ("param", "grad")]
@@ -519,14 +593,94 @@ def build(opt, spec, backend=None):
                     problem = tensor_problem(st.get(n), f": optimizer state {n!r}", like=p)
                     if problem is not None:
                         _raise(problem, where)
-            groups.append(GroupPlan(spec, gi, group, indices, params, states, init_flags, options))
+            groups.append(GroupPlan(spec, gi, group, indices, params, states, init_flags, options, pairs))
+        _check_partners(name, groups)
         plan = StepPlan(opt, groups)
         # init flags (SGD's ``first``) hold for the step that created the state only
         plan.one_shot = bool(created)
     except BaseException:
         rollback(state, created)
         raise
-    return plan, [[p.grad for p in gp.params] for gp in groups], created
+    return plan, [gp.current_grads() for gp in groups], created
+
+
+def _stepped(cls_name, gi, group_params):
+    """The group's parameters this step updates, validated: ``(indices, params, pairs)``;
+    ``pairs`` is ``(partners, sources)`` (see GroupPlan) or None when no parameter has a
+    partner (masters.py)."""
+    partners = [partner_of(p) for p in group_params]
+    if not any(q is not None for q in partners):
+        partners = None
+    indices = [
+        pi
+        for pi, p in enumerate(group_params)
+        if p.grad is not None
+        or (partners is not None and partners[pi] is not None and partners[pi].grad is not None)
+    ]
+    params = [group_params[pi] for pi in indices]
+    sources = []
+    for pi, p in zip(indices, params, strict=True):
+        where = where_of(cls_name, gi, pi, p)
+        q = partners[pi] if partners is not None else None
+        if q is not None:
+            problem = partner_problem(p, q)
+            if problem is not None:
+                _raise(problem, f"{where}, paired with a partner: ")
+            if p.grad is not None and q.grad is not None:
+                raise ValueError(
+                    f"{where} has a gradient of its own and its partner (dtype {q.dtype}) has one too: "
+                    "ambiguous; set one of them to None (the master's own is used when the partner's is None)"
+                )
+        from_partner = q is not None and p.grad is None
+        sources.append(from_partner)
+        problem = tensor_problem(p, "") or (
+            tensor_problem(q.grad, ": its partner's grad", like=q)
+            if from_partner
+            else tensor_problem(p.grad, ": its grad", like=p)
+        )
+        if problem is not None:
+            _raise(problem, where)
+    if partners is None:
+        return indices, params, None
+    return indices, params, ([partners[pi] for pi in indices], sources)
+
+
+def _check_partners(cls_name, groups):
+    """Refuse a partner that overlaps in memory any parameter, state tensor or other partner
+    (its writes would change what the step reads)."""
+    spans = []
+    for gp in groups:
+        if gp.partners is None:
+            continue
+        for i, q in enumerate(gp.partners):
+            if q is not None and q.numel():
+                start = q.data_ptr()
+                spans.append((start, start + q.numel() * q.element_size(), True, gp, i))
+    if not spans:
+        return
+    for gp in groups:
+        for i, p in enumerate(gp.params):
+            t = local(p)
+            for x in (t, *(gp.tensors[n][i] for n in gp.inputs)):
+                x = local(x)
+                if x.numel():
+                    spans.append((x.data_ptr(), x.data_ptr() + x.numel() * x.element_size(), False, gp, i))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    end, prev = spans[0][1], spans[0]
+    for span in spans[1:]:
+        if span[0] < end and (span[2] or prev[2]):
+            part = span if span[2] else prev
+            other = prev if part is span else span
+            kind = "the partner of" if other[2] else "a parameter or state tensor of"
+            gp, i = part[3], part[4]
+            where = where_of(cls_name, gp.gi, gp.indices[i], gp.params[i])
+            ogp, oi = other[3], other[4]
+            raise ValueError(
+                f"{where}: its partner overlaps in memory with {kind} "
+                f"param_groups[{ogp.gi}]['params'][{ogp.indices[oi]}]; a partner must have memory of its own"
+            )
+        if span[1] > end:
+            end, prev = span[1], span
 
 
 def rollback(state, created):
@@ -554,7 +708,7 @@ def _check_overlap(cls_name, work):
     different results for them (each updates in place what the other reads). A DTensor is
     checked by its local shard (its own ``data_ptr()`` is 0)."""
     spans = []
-    for gi, _, indices, params in work:
+    for gi, _, indices, params, _pairs in work:
         for pi, p in zip(indices, params, strict=True):
             t = local(p)
             n = t.numel()

@@ -20,6 +20,11 @@ parameters in order (parameters whose 0-d state differs, e.g. a different ``step
 different scalars). A column of type ``Checked`` has been validated by the step plan; any other
 is checked by the backend that needs it. ``cache`` is a dict the step plan keeps for this call
 site between steps (flat buffers, pointer tables); it is dropped whenever the plan is rebuilt.
+Pairings (``masters.py``): a launch's ``columns`` may hold ``"partner"`` (bfloat16 or float16
+tensors, one per parameter: write each with its updated parameter, as ``partner.copy_(param)``
+rounds), and its ``"grad"`` column may be bfloat16 or float16 (a partner's gradient: read it
+widened to float32). Each column holds one dtype. A backend that does not fuse them runs
+``composed``: widen, the program, round back.
 ``prepare`` checks the settings it reads (environment variables) itself, every step: a
 step on an unchanged plan does not call ``check_settings``. ``run(...)`` is ``prepare(...)()``,
 for tools and tests.
@@ -121,6 +126,53 @@ class Checked(list):
     sizes): a backend need not check it again."""
 
     __slots__ = ()
+
+
+def pairing_of(columns):
+    """``(the gradients' dtype, the partners' dtype or None)`` of a launch's columns."""
+    import torch
+
+    grads = columns.get("grad")
+    partners = columns.get("partner")
+    grad_dtype = grads[0].dtype if grads else torch.float32
+    return grad_dtype, (partners[0].dtype if partners else None)
+
+
+def composed(prepare, program, scalars, columns, cache):
+    """``prepare``'s launch of ``program`` with the columns' pairing done by composition:
+    low-precision gradients widened into float32 buffers (allocated here, kept in ``cache``),
+    the launch, then each partner written with ``copy_`` from its parameter. Columns without a
+    pairing go to ``prepare`` as they are."""
+    import torch
+
+    partners = columns.get("partner")
+    grads = columns.get("grad")
+    low = bool(grads) and grads[0].dtype is not torch.float32
+    if partners is None and not low:
+        return prepare(program, scalars, columns, cache)
+    cols = {k: v for k, v in columns.items() if k != "partner"}
+    wide = None
+    if low:
+        numels = [g.numel() for g in grads]
+        hit = cache.get("widened")
+        if hit is None or hit[0] != numels:
+            flat = torch.empty(sum(numels))
+            views = Checked(v.view(g.shape) for v, g in zip(flat.split(numels), grads, strict=True))
+            hit = cache["widened"] = (numels, views)
+        wide = hit[1]
+        cols["grad"] = wide
+    launch = prepare(program, scalars, cols, cache.setdefault("composed", {}))
+    params = columns["param"]
+    foreach_copy = torch._foreach_copy_
+
+    def run():
+        if wide is not None:
+            foreach_copy(wide, grads)
+        launch()
+        if partners is not None:
+            foreach_copy(partners, params)
+
+    return run
 
 
 def segments(scalars, n: int):

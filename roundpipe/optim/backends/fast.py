@@ -41,7 +41,7 @@ import torch
 
 from .. import threads
 from ..plan import contiguous_run
-from . import CompileCache, numba_engine, numexpr_engine, segments, torch_engine
+from . import CompileCache, composed, numba_engine, numexpr_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
 
 logger = logging.getLogger("roundpipe.optim")
@@ -214,7 +214,13 @@ class FastBackend:
                             raise
                         self._fall_back(program, err.__cause__ or err, "cannot compile a kernel")
             engine = FALLBACK_ENGINE
-        return self._prepare_batched(engine, program, scalars, columns, cache)
+        return composed(
+            lambda *a: self._prepare_batched(engine, *a),
+            program,
+            scalars,
+            columns,
+            cache.setdefault(engine, {}),
+        )
 
     def run(self, program, scalars, columns, cache=None):
         """``prepare`` then launch (for tools and tests)."""

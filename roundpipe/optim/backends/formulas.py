@@ -12,7 +12,8 @@ must be bound to a local first. The formulas:
 * ``add(a, b, alpha)`` = ``a + alpha * b``; ``addcmul`` = ``a + (value * b) * c``;
   ``addcdiv`` = ``a + (value * b) / c``;
 * ``lerp(a, b, w)``: ATen's two branches, ``a + w * (b - a)`` for ``|w| < 0.5``, else
-  ``b - (b - a) * (1 - w)`` (which branch is fixed per program *variant*, see ``lerp_variant``);
+  ``(w - 1) * (b - a) + b`` (the vectorized kernel's form; which branch is fixed per program
+  *variant*, see ``lerp_variant``);
 * where torch's vectorized kernel rounds ``a * b + c`` once (``fused``: some of ``add``,
   ``addcmul``, ``lerp``, measured by ``native.torch_fusion``), the dialect's ``fma``.
 
@@ -36,7 +37,8 @@ def scalar_var(name: str) -> str:
 
 
 def lerp_complement_var(name: str) -> str:
-    return "s_" + name + "__1m"
+    """The variable holding ``w - 1`` (float32; exactly ``-(1 - w)``) for a lerp weight ``w``."""
+    return "s_" + name + "__m1"
 
 
 def const_var(value: float) -> str:
@@ -66,7 +68,7 @@ def scalar_env(scalars: dict, weights=()) -> dict:
     """The compiled engines' scalar variables: float32 values (never float64 literals)."""
     env = {scalar_var(k): _F32(v) for k, v in scalars.items()}
     for w in weights:
-        env[lerp_complement_var(w)] = _F32(1.0) - env[scalar_var(w)]
+        env[lerp_complement_var(w)] = env[scalar_var(w)] - _F32(1.0)
     return env
 
 
@@ -183,6 +185,9 @@ class Lowering:
         comp = lerp_complement_var(w.name)
         if comp not in self.scalars:
             self.scalars.append(comp)
-        if fused:  # end - (end - start) * (1 - w), rounded once
-            return self.fma(f"({a} - {b})", comp, b)
-        return f"({b} - (({b} - {a}) * {comp}))"
+        # (w - 1) * (end - start) + end, as ATen's vectorized lerp (lerp_vec) computes the
+        # branch; its scalar loop's end - (end - start) * (1 - w) has the same magnitude, and
+        # differs only in the sign of a zero (lerp(+0, -0, 1): -0 vectorized, +0 scalar)
+        if fused:
+            return self.fma(comp, f"({b} - {a})", b)
+        return f"(({comp} * ({b} - {a})) + {b})"

@@ -85,6 +85,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -97,7 +98,7 @@ import torch
 
 from .. import threads
 from ..spec.ir import Assign, Let
-from . import Checked, CompileCache, segments
+from . import Checked, CompileCache, pairing_of, segments
 from .formulas import Lowering, lerp_complement_var, lerp_variant, lerp_weights, scalar_env, scalar_var
 
 logger = logging.getLogger("roundpipe.optim")
@@ -105,7 +106,7 @@ logger = logging.getLogger("roundpipe.optim")
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
 INSTALL_HINT = "pip install numba (roundpipe declares it; a wheel, no compiler needed)"
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 5
+GENERATOR_VERSION = 6
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
 # Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
@@ -230,17 +231,26 @@ class _Codegen(Lowering):
             self.current[st.target] = local
 
 
-def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routine") -> KernelSource:
+def generate(
+    program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routine", pairing=("float32", None)
+) -> KernelSource:
     """The kernel source for ``program`` and a lerp variant (``formulas.lerp_variant``);
     ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA;
     ``sqrt_kind``: how a block's roots are taken (``SQRT_KINDS``; ``sqrt_fn == 0`` at run time
-    always means the correctly rounded sqrt)."""
+    always means the correctly rounded sqrt); ``pairing``: ``(grad dtype, partner dtype or None)``
+    by name (``PAIRING_DTYPES``): a ``bfloat16``/``float16`` gradient is widened as it is read, and
+    a partner (the table's last row) written with the final ``param``, rounded to its dtype."""
     if sqrt_kind not in SQRT_KINDS:
         raise ValueError(f"sqrt_kind {sqrt_kind!r} is not one of {SQRT_KINDS}")
+    grad_dtype, partner_dtype = pairing
+    if grad_dtype not in ("float32", *_LOW) or partner_dtype not in (None, *_LOW):
+        raise ValueError(f"pairing {pairing!r}: dtypes must be float32, bfloat16 or float16")
     cg = _Codegen(program, variant, fused)
     for st in program.statements:
         cg.statement(st)
-    tensors = tuple(program.tensors)
+    tensors = tuple(program.tensors) + (("partner",) if partner_dtype else ())
+    low = {t: d for t, d in (("grad", grad_dtype), ("partner", partner_dtype)) if d in _LOW}
+    cg.arrays.setdefault("partner", f"t{len(tensors) - 1}_partner")
     scalars = tuple(sorted(cg.scalars))
     const_names = tuple(sorted(cg.consts))
     i4, i5, i6 = " " * 12, " " * 16, " " * 20
@@ -253,17 +263,37 @@ def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routi
         # the slice's own pointer and a loop from 0: numba then knows no index is negative
         # (no wraparound code), and LLVM vectorizes the loop (7x faster than range(lo, hi))
     ]
-    views = [f"{cg.arrays[t]} = carray(f32ptr(ptrs[{r}, j] + 4 * lo), m)" for r, t in enumerate(tensors)]
+
+    def views(start, count):
+        return [
+            f"{cg.arrays[t]} = carray({'u16ptr' if t in low else 'f32ptr'}"
+            f"(ptrs[{r}, j] + {2 if t in low else 4} * {start}), {count})"
+            for r, t in enumerate(tensors)
+        ]
+
+    def load(t, index):
+        if t in low:
+            return f"widen_{low[t]}({cg.arrays[t]}[{index}])"
+        return f"{cg.arrays[t]}[{index}]"
 
     def loop_body(indent, index, lines, stores):
         return [
-            *(f"{indent}{cg._value(t, 0)} = {cg.arrays[t]}[{index}]" for t in cg.loads),
+            *(f"{indent}{cg._value(t, 0)} = {load(t, index)}" for t in cg.loads),
             *(f"{indent}{line}" for line in lines),
             *(f"{indent}{cg.arrays[t]}[{index}] = {cg.current[t]}" for t in program.targets if stores),
+            *(
+                [f"{indent}{cg.arrays['partner']}[{index}] = narrow_{partner_dtype}({cg.current['param']})"]
+                if stores and partner_dtype
+                else []
+            ),
         ]
 
     if not cg.sqrts:
-        inner = [*(f"{i4}{v}" for v in views), f"{i4}for i in range(m):", *loop_body(i5, "i", cg.body, True)]
+        inner = [
+            *(f"{i4}{v}" for v in views("lo", "m")),
+            f"{i4}for i in range(m):",
+            *loop_body(i5, "i", cg.body, True),
+        ]
         scratch = []
     else:
         # blocks of SQRT_BLOCK elements; pass k binds the k-th sqrt's argument into q{k} (no
@@ -272,24 +302,48 @@ def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routi
         # own that start at index 0 (as the whole slice's do above): indexing with b0 + i
         # would make numba emit wraparound code for negative indices, and LLVM then does not
         # vectorize the loops (measured: AdamW 3x slower).
-        block_views = [v.replace("4 * lo), m)", "4 * (lo + b0)), mb)") for v in views]
+        block_views = views("(lo + b0)", "mb")
         inner = [
             f"{i4}for b0 in range(0, m, {SQRT_BLOCK}):",
             f"{i5}mb = min({SQRT_BLOCK}, m - b0)",
             *(f"{i5}{v}" for v in block_views),
         ]
-        for k, cut in enumerate(cg.sqrts):
+        early, passes = _sqrt_passes(cg, program)
+
+        def reads(loads, lines):
+            """A pass's loads: its inputs, and the early targets it reads back."""
+            needed = _needed_names(lines)
+            return [
+                *(f"{i6}{cg._value(t, 0)} = {load(t, 'i')}" for t in loads),
+                *(f"{i6}{cg.current[t]} = {cg.arrays[t]}[i]" for t in early if cg.current[t] in needed),
+            ]
+
+        for k, (loads, lines) in enumerate(passes[:-1]):
             inner += [
                 f"{i5}for i in range(mb):",
-                *loop_body(i6, "i", cg.body[:cut], False),
+                *(reads(loads, lines) if k else (f"{i6}{cg._value(t, 0)} = {load(t, 'i')}" for t in loads)),
+                *(f"{i6}{line}" for line in lines),
                 f"{i6}q{k}[i] = a{k}",
+                # pass 0 also stores the targets whose final value it has computed
+                *(f"{i6}{cg.arrays[t]}[i] = {cg.current[t]}" for t in (early if k == 0 else ())),
                 f"{i5}if sqrt_fn == 0:",
                 f"{i6}for i in range(mb):",
                 f"{i6}    r{k}[i] = np.sqrt(q{k}[i])",
                 f"{i5}else:",
                 *_sqrt_block(sqrt_kind, i6, f"q{k}", f"r{k}"),
             ]
-        inner += [f"{i5}for i in range(mb):", *loop_body(i6, "i", cg.body, True)]
+        loads, lines = passes[-1]
+        inner += [
+            f"{i5}for i in range(mb):",
+            *reads(loads, lines),
+            *(f"{i6}{line}" for line in lines),
+            *(f"{i6}{cg.arrays[t]}[i] = {cg.current[t]}" for t in program.targets if t not in early),
+            *(
+                [f"{i6}{cg.arrays['partner']}[i] = narrow_{partner_dtype}({cg.current['param']})"]
+                if partner_dtype
+                else []
+            ),
+        ]
         scratch = [
             f"        {buf}{k} = np.empty({SQRT_BLOCK}, np.float32)"
             for k in range(len(cg.sqrts))
@@ -315,6 +369,11 @@ def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routi
         *(f"#   {line}" for line in str(program).splitlines()),
         "#",
         f"# lerp variant {tuple(variant)!r}, fused multiply-adds in {sorted(cg.fused)!r}, sqrt {sqrt_kind},",
+        *(
+            [f"# gradients {grad_dtype}, partners {partner_dtype} (written with the final param),"]
+            if low
+            else []
+        ),
         f"# generator version {GENERATOR_VERSION}. Every scalar and constant is a float32 read from",
         "# sv (a Python float literal would make numba compute in float64). The same loop twice:",
         "# kernel_parallel for numba.njit(parallel=True), kernel_serial for one thread. sqrt_fn: the",
@@ -324,7 +383,14 @@ def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routi
         "",
         "from roundpipe.optim.backends.numba_engine import "
         + ", ".join(
-            ["f32ptr", *(["fma"] if cg.uses_fma else []), *(_SQRT_IMPORTS[sqrt_kind] if cg.sqrts else ())]
+            [
+                "f32ptr",
+                *(["fma"] if cg.uses_fma else []),
+                *(_SQRT_IMPORTS[sqrt_kind] if cg.sqrts else ()),
+                *(["u16ptr"] if low else []),
+                *([f"widen_{grad_dtype}"] if "grad" in low and "grad" in cg.loads else []),
+                *([f"narrow_{partner_dtype}"] if partner_dtype else []),
+            ]
         ),
         "",
         "",
@@ -333,6 +399,61 @@ def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routi
     ]
     consts = tuple(_F32(cg.consts[c]) for c in const_names)
     return KernelSource("\n".join(lines).rstrip() + "\n", tensors, scalars, consts)
+
+
+_NAME = re.compile(r"\b[vlea]\d+\w*")
+
+
+def _needed_names(lines) -> set:
+    return {n for line in lines for n in _NAME.findall(line.split(" = ", 1)[1])}
+
+
+def _sqrt_passes(cg, program):
+    """The passes of a block of a program with a ``sqrt``: ``(early, passes)``.
+
+    ``passes[k]`` (``k`` < the number of roots) is ``(loads, lines)``: what pass ``k`` reads and
+    the statements it runs to bind the ``k``-th root's argument ``a{k}``; the last entry, the
+    final pass's, runs what the targets' final values need. Every pass runs only the statements
+    its outputs depend on (a backward slice of the body). ``early``: the targets whose final
+    value pass 0 has computed, which pass 0 stores (Adam's moments); later passes read those
+    back (the block is in cache) instead of recomputing them from the inputs, so the final pass
+    of Adam reads param, exp_avg and the roots, not all four inputs again. A target whose
+    original value a later pass still needs is not stored early."""
+    defs = {}  # local -> (its line, the locals it reads)
+    for line in cg.body:
+        name, expr = line.split(" = ", 1)
+        defs[name] = (line, set(_NAME.findall(expr)))
+    cut0 = cg.sqrts[0]
+    first = {line.split(" = ", 1)[0] for line in cg.body[:cut0]}
+    early = [t for t in program.targets if cg.current[t] in first]
+    originals = {cg._value(t, 0): t for t in cg.loads}
+
+    def slice_(outputs, upto, free):
+        """The lines of ``cg.body[:upto]`` that ``outputs`` need, and the inputs they load."""
+        allowed = {line.split(" = ", 1)[0] for line in cg.body[:upto]}
+        need, stack = set(), list(outputs)
+        while stack:
+            n = stack.pop()
+            if n in need or n in free:
+                continue
+            need.add(n)
+            if n in defs and n in allowed:
+                stack.extend(defs[n][1])
+        lines = [line for line in cg.body[:upto] if line.split(" = ", 1)[0] in need]
+        loads = [originals[n] for n in need if n in originals]
+        return lines, sorted(loads, key=cg.loads.index)
+
+    while True:
+        free = {cg.current[t] for t in early}
+        passes = [slice_(["a0", *(cg.current[t] for t in early)], cut0, set())[::-1]]
+        for k, cut in enumerate(cg.sqrts[1:], start=1):
+            passes.append(slice_([f"a{k}"], cut, free)[::-1])
+        finals = [cg.current[t] for t in program.targets if t not in early]
+        passes.append(slice_(finals, len(cg.body), free)[::-1])
+        clobbered = {t for loads, _ in passes[1:] for t in loads if t in early}
+        if not clobbered:
+            return early, passes
+        early = [t for t in early if t not in clobbered]
 
 
 # How a kernel takes the roots of a block (``q`` -> ``r``, ``mb`` elements), when ``sqrt_fn`` (the
@@ -347,6 +468,8 @@ def generate(program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routi
 #   inf, NaN) and the block's last (fewer than a vector of) elements go to the routine. Used
 #   only where the probe (``sqrt_kind``) finds it equal to torch.sqrt.
 SQRT_KINDS = ("routine", "emulated-avx", "emulated", "emulated-fma")
+# the low-precision dtypes of a pairing (masters.py), by name
+_LOW = ("bfloat16", "float16")
 # kind -> (the intrinsic, its lanes)
 _EMULATIONS = {"emulated-avx": ("sqrt8", 8), "emulated": ("sqrt4", 4), "emulated-fma": ("sqrt8_fma", 8)}
 _SQRT_IMPORTS = {"routine": ["call_sqrt_at"], **{k: ["call_sqrt_at", v[0]] for k, v in _EMULATIONS.items()}}
@@ -403,7 +526,7 @@ def _probe_fusion():
     a, b, c = (torch.randn(4099, generator=gen) for _ in range(3))
     A, B, C = (x.numpy() for x in (a, b, c))
     s, w, v = _F32(0.3), _F32(0.3), _F32(0.7)
-    v_comp = _F32(1) - v
+    v_comp = v - _F32(1)
 
     def fma(x, y, z):  # float32 x * y + z rounded once: exact product and sum in float64
         f64 = np.float64
@@ -414,8 +537,8 @@ def _probe_fusion():
         "addcmul": (torch.addcmul(a, b, c, value=0.3), A + (s * B) * C, fma(s * B, C, A)),
         "lerp": (
             torch.cat([torch.lerp(a, b, float(w)), torch.lerp(a, b, float(v))]).numpy(),
-            np.concatenate([A + w * (B - A), B - (B - A) * v_comp]),
-            np.concatenate([fma(w, B - A, A), fma(v_comp, A - B, B)]),
+            np.concatenate([A + w * (B - A), v_comp * (B - A) + B]),
+            np.concatenate([fma(w, B - A, A), fma(v_comp, B - A, B)]),
         ),
     }
     fused, exact = set(), True
@@ -707,22 +830,24 @@ def partition(sizes, nthreads: int):
 _kernels = CompileCache()
 
 
-def compile_kernel(program, variant: tuple, fused=None, sqrt: str | None = None) -> NumbaKernel:
+def compile_kernel(
+    program, variant: tuple, fused=None, sqrt: str | None = None, pairing=("float32", None)
+) -> NumbaKernel:
     """The kernels for ``program`` and a lerp variant; ``fused`` defaults to torch_fusion()'s,
-    ``sqrt`` (a ``SQRT_KINDS`` entry) to sqrt_kind()'s. numba compiles (or loads from its
-    cache) each of the two on its first call."""
+    ``sqrt`` (a ``SQRT_KINDS`` entry) to sqrt_kind()'s; ``pairing`` as ``generate``'s. numba
+    compiles (or loads from its cache) each of the two on its first call."""
     numba = import_numba()
     if fused is None:
         fused = torch_fusion()[0]
     fused = frozenset(fused)
     if sqrt is None:
         sqrt = sqrt_kind()
-    key = (program, tuple(variant), fused, sqrt)
-    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt))
+    key = (program, tuple(variant), fused, sqrt, tuple(pairing))
+    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt, pairing))
 
 
-def _compile(numba, program, variant, fused, sqrt="routine") -> NumbaKernel:
-    ks = generate(program, variant, fused, sqrt)
+def _compile(numba, program, variant, fused, sqrt="routine", pairing=("float32", None)) -> NumbaKernel:
+    ks = generate(program, variant, fused, sqrt, pairing)
     key = f"{ks.source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
     name = "roundpipe_numba_" + hashlib.sha256(key.encode()).hexdigest()[:24]
     module, on_disk = _load_module(name, ks.source)
@@ -742,6 +867,7 @@ def _compile(numba, program, variant, fused, sqrt="routine") -> NumbaKernel:
 # the engine
 
 _F32_DTYPE = torch.float32
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _F32_ONE = np.float32(1.0)
 
 
@@ -770,8 +896,8 @@ class NumbaEngine:
             self.sqrt_kind,
         )
 
-    def kernel(self, program, variant) -> NumbaKernel:
-        return compile_kernel(program, variant, self.fused, self.sqrt_kind)
+    def kernel(self, program, variant, pairing=("float32", None)) -> NumbaKernel:
+        return compile_kernel(program, variant, self.fused, self.sqrt_kind, pairing)
 
     def prepare(self, program, scalars, columns, cache):
         """Everything a launch over ``columns`` needs (kernels compiled, the address table,
@@ -787,10 +913,12 @@ class NumbaEngine:
         by_variant: dict = {}
         for values, start, stop in segments(scalars, len(params)):
             by_variant.setdefault(lerp_variant(values, weights), []).append((values, start, stop))
-        names = program.tensors
+        grad_dtype, partner_dtype = pairing_of(columns)
+        pair = (_DTYPE_NAMES[grad_dtype], None if partner_dtype is None else _DTYPE_NAMES[partner_dtype])
+        names = (*program.tensors, "partner") if partner_dtype is not None else program.tensors
         table = cache.get("table")
         if table is None or table.names != names or table.params is not params:
-            table = cache["table"] = _Table(names, params)
+            table = cache["table"] = _Table(names, params, {"grad": grad_dtype, "partner": partner_dtype})
         for r, name in enumerate(names):
             table.update(r, columns[name])
         if table.total == 0:
@@ -802,7 +930,7 @@ class NumbaEngine:
         for variant, parts in by_variant.items():
             hit = ready.get((variant, nthreads > 1))
             try:
-                kernel = hit[0] if hit else self.kernel(program, variant)
+                kernel = hit[0] if hit else self.kernel(program, variant, pair)
                 bucket, sv = self._rows(kernel, parts, len(params), weights, cache)
                 if hit is None:
                     with _keep_torch_threads():  # a first parallel call starts numba's pool
@@ -881,7 +1009,7 @@ class _Steady:
         self.sv = sv
         self.launch = launch
         # the row's scalars (scalar_env's variables, in the kernel's order), by scalar name;
-        # a lerp complement (1 - w, in float32) by (position, weight); the constants stay
+        # a lerp complement (w - 1, in float32) by (position, weight); the constants stay
         self.names, self.complements = [], []
         for pos, var in enumerate(kernel.source.scalars):
             weight = next((w for w in weights if var == lerp_complement_var(w)), None)
@@ -907,7 +1035,7 @@ class _Steady:
         # missing, as there)
         row = [0.0 if n is None else scalars[n] for n in self.names]
         for pos, w in self.complements:
-            row[pos] = _F32_ONE - np.float32(scalars[w])
+            row[pos] = np.float32(scalars[w]) - _F32_ONE
         for r, name in enumerate(table.names):
             table.update(r, columns[name])
         # float32 on assignment, as scalar_env's; the previous step's launch has run (a plan
@@ -937,9 +1065,11 @@ class _Table:
     """The addresses a launch reads: a row of ``data_ptr()`` per program tensor, refreshed for a
     column only when its list of tensors is a new one (the gradients, every step)."""
 
-    def __init__(self, names, params):
+    def __init__(self, names, params, dtypes=None):
         self.names = names
         self.params = params
+        # each row's dtype (float32 but for a pairing's gradients and partners)
+        self.dtypes = [(dtypes or {}).get(n) or _F32_DTYPE for n in names]
         self.sizes = [p.numel() for p in params]
         self.total = sum(self.sizes)
         self.ptrs = np.zeros((len(names), len(params)), dtype=np.int64)
@@ -952,11 +1082,11 @@ class _Table:
             return
         if type(column) is not Checked and (
             [t.numel() for t in column] != self.sizes
-            or not all([t.dtype is _F32_DTYPE and t.is_contiguous() for t in column])
+            or not all([t.dtype is self.dtypes[row] and t.is_contiguous() for t in column])
         ):
             raise ValueError(
-                f"numba engine: {self.names[row]!r} tensors must be contiguous float32 of the "
-                "parameters' sizes"
+                f"numba engine: {self.names[row]!r} tensors must be contiguous {self.dtypes[row]} of "
+                "the parameters' sizes"
             )
         self.ptrs[row] = [t.data_ptr() for t in column]
         self.volatile[row] = self.volatile[row] or self.columns[row] is not None
@@ -1049,15 +1179,119 @@ def _make_intrinsics():
 
             return types.void(fn, n, src, dst), codegen
 
+        @intrinsic
+        def u16ptr(typingctx, address):
+            """The uint16 pointer at an integer address (a bfloat16 or float16 tensor's data)."""
+            if not isinstance(address, types.Integer):
+                return None
+            ptr = types.CPointer(types.uint16)
+
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+            return ptr(address), codegen
+
         _intrinsics.update(
             fma=fma,
             f32ptr=f32ptr,
+            u16ptr=u16ptr,
+            **_conversions(intrinsic, types, ir),
             call_sqrt_at=call_sqrt_at,
             sqrt4=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=4),
             sqrt8=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=8),
             sqrt8_fma=_sqrtv(intrinsic, types, ir, with_fma=True, lanes=8),
         )
     return _intrinsics
+
+
+def _conversions(intrinsic, types, ir):
+    """``widen_bfloat16``/``widen_float16`` (the bits of a bfloat16 or float16, as uint16, to
+    float32: exact) and ``narrow_bfloat16``/``narrow_float16`` (float32 to those bits, as torch's
+    ``copy_`` rounds on the CPU: nearest-even, subnormals kept). Integer and float32 operations
+    only (no ``half`` type, which LLVM may lower to a runtime call), so loops vectorize.
+
+    * bfloat16: ``(u + 0x7fff + ((u >> 16) & 1)) >> 16`` of the float32 bits ``u``; every NaN
+      becomes 0xffff (measured: torch 2.13's vectorized and scalar conversions both give it);
+    * float16: the branch-free sequences of the FP16 library (M. Dukhan's ``fp16_ieee_from_fp32
+      _value`` / ``fp16_ieee_to_fp32_value``), which round through float32 arithmetic; a NaN
+      becomes ``sign | 0x7e00 | (mantissa >> 13)``, as F16C's ``vcvtps2ph`` (torch's vectorized
+      copy) gives. Widening keeps a NaN's payload and quiets it, as ``vcvtph2ps`` does (torch's
+      scalar loop, for a tensor's last few elements, gives 0x7fffffff for every NaN instead)."""
+    i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+    def c32(v):
+        return ir.Constant(i32, v - (1 << 32) if v >= 1 << 31 else v)
+
+    def fconst(v):
+        return ir.Constant(f32, v)
+
+    def widen_bf16(builder, h):
+        return builder.bitcast(builder.shl(builder.zext(h, i32), c32(16)), f32)
+
+    def narrow_bf16(builder, x):
+        u = builder.bitcast(x, i32)
+        lsb = builder.and_(builder.lshr(u, c32(16)), c32(1))
+        r = builder.lshr(builder.add(builder.add(u, c32(0x7FFF)), lsb), c32(16))
+        nan = builder.fcmp_unordered("uno", x, x)
+        return builder.trunc(builder.select(nan, c32(0xFFFF), r), i16)
+
+    def widen_f16(builder, h):
+        w = builder.shl(builder.zext(h, i32), c32(16))
+        sign = builder.and_(w, c32(0x80000000))
+        two_w = builder.add(w, w)
+        norm = builder.fmul(
+            builder.bitcast(builder.add(builder.lshr(two_w, c32(4)), c32(0x70000000)), f32), fconst(2.0**-112)
+        )
+        denorm = builder.fsub(
+            builder.bitcast(builder.or_(builder.lshr(two_w, c32(17)), c32(0x3F000000)), f32), fconst(0.5)
+        )
+        small = builder.icmp_unsigned("<", two_w, c32(1 << 27))
+        bits = builder.select(small, builder.bitcast(denorm, i32), builder.bitcast(norm, i32))
+        return builder.bitcast(builder.or_(sign, bits), f32)
+
+    def narrow_f16(builder, x):
+        fabs = builder.module.declare_intrinsic("llvm.fabs", [f32])
+        base = builder.fmul(builder.fmul(builder.call(fabs, [x]), fconst(2.0**112)), fconst(2.0**-110))
+        w = builder.bitcast(x, i32)
+        shl1 = builder.add(w, w)
+        sign = builder.and_(w, c32(0x80000000))
+        bias = builder.and_(shl1, c32(0xFF000000))
+        bias = builder.select(builder.icmp_unsigned("<", bias, c32(0x71000000)), c32(0x71000000), bias)
+        base = builder.fadd(
+            builder.bitcast(builder.add(builder.lshr(bias, c32(1)), c32(0x07800000)), f32), base
+        )
+        bits = builder.bitcast(base, i32)
+        nonsign = builder.add(
+            builder.and_(builder.lshr(bits, c32(13)), c32(0x7C00)), builder.and_(bits, c32(0x0FFF))
+        )
+        mant = builder.lshr(builder.and_(w, c32(0x007FFFFF)), c32(13))
+        nan = builder.or_(c32(0x7E00), mant)
+        r = builder.or_(
+            builder.lshr(sign, c32(16)),
+            builder.select(builder.icmp_unsigned(">", shl1, c32(0xFF000000)), nan, nonsign),
+        )
+        return builder.trunc(r, i16)
+
+    def make(name, fn, arg_ty, res_ty):
+        def conv(typingctx, x):
+            if x != arg_ty:
+                return None
+
+            def codegen(context, builder, signature, args):
+                return fn(builder, args[0])
+
+            return res_ty(arg_ty), codegen
+
+        conv.__name__ = name
+        return intrinsic(conv)
+
+    u16, fl32 = types.uint16, types.float32
+    return {
+        "widen_bfloat16": make("widen_bfloat16", widen_bf16, u16, fl32),
+        "widen_float16": make("widen_float16", widen_f16, u16, fl32),
+        "narrow_bfloat16": make("narrow_bfloat16", narrow_bf16, fl32, u16),
+        "narrow_float16": make("narrow_float16", narrow_f16, fl32, u16),
+    }
 
 
 def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
@@ -1119,8 +1353,23 @@ def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
     return sqrtv
 
 
+_INTRINSICS = (
+    "fma",
+    "f32ptr",
+    "u16ptr",
+    "call_sqrt_at",
+    "sqrt4",
+    "sqrt8",
+    "sqrt8_fma",
+    "widen_bfloat16",
+    "widen_float16",
+    "narrow_bfloat16",
+    "narrow_float16",
+)
+
+
 def __getattr__(name):
-    if name in ("fma", "f32ptr", "call_sqrt_at", "sqrt4", "sqrt8", "sqrt8_fma"):
+    if name in _INTRINSICS:
         return _make_intrinsics()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

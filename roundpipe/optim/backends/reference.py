@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..spec.ir import Assign, Bin, Call, Const, Let, Scalar, Tensor
-from . import segments
+from . import composed, segments
 from .torch_ops import BINARY, FUNCTIONS
 
 logger = logging.getLogger("roundpipe.optim")
@@ -53,7 +53,11 @@ class ReferenceBackend:
         pass
 
     def prepare(self, program, scalars, columns, cache=None):
-        """The launch of ``program`` on every parameter of ``columns`` (see ``backends``), one by one."""
+        """The launch of ``program`` on every parameter of ``columns`` (see ``backends``), one by
+        one; partners (``masters.py``) by their defining composition."""
+        return composed(self._prepare, program, scalars, columns, {} if cache is None else cache)
+
+    def _prepare(self, program, scalars, columns, cache=None):
         names = list(columns)
         rows = list(zip(*columns.values(), strict=True))
         work = [

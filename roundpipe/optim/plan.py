@@ -320,20 +320,16 @@ class GroupPlan:
         return grads
 
     def _paired_grads(self):
-        grads = []
-        for p, q, src in zip(self.params, self.partners, self.sources, strict=True):
-            own = p.grad
-            if src:
-                if own is not None or q.grad is None:
-                    return None
-                grads.append(q.grad)
-            else:
-                if own is None or (q is not None and q.grad is not None):
-                    return None
-                grads.append(own)
+        # list comprehensions, no per-parameter Python statements (see the module docstring)
+        own = [p.grad for p in self.params]
+        low = [None if q is None else q.grad for q in self.partners]
+        sources = self.sources
+        if [g is None for g in own] != sources or [g is not None for g in low] != sources:
+            return None  # a gradient appeared or went: rebuilt (and validated)
+        grads = [lo if src else g for g, lo, src in zip(own, low, sources, strict=True)]
         if not _grads_ok(grads, self.grad_shapes, self.grad_dtypes):
             return None
-        if [q.data_ptr() if q is not None else 0 for q in self.partners] != self.partner_ptrs:
+        if [0 if q is None else q.data_ptr() for q in self.partners] != self.partner_ptrs:
             return None
         return grads
 

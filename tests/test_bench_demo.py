@@ -14,7 +14,7 @@ import torch
 from roundpipe import demo
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim import bench
-from roundpipe.optim.bench import cli, first_use, workloads
+from roundpipe.optim.bench import cli, first_use, partners, workloads
 
 
 def test_traffic_is_derived_from_the_programs():
@@ -124,6 +124,66 @@ def test_per_param_workload(tmp_path, capsys, monkeypatch):
         "rp fast", "SGD", bench.clone_params([torch.ones(3)] * 5, [torch.ones(3)] * 5), True
     )
     assert len(opt.optimizers) == 5 and all(len(o.param_groups[0]["params"]) == 1 for o in opt.optimizers)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_partners_mode(tmp_path, capsys, monkeypatch, dtype):
+    """--partners on a tiny workload: the table, the bit-for-bit verdict, the JSON rows."""
+    tiny = bench.Workload("small", "4 tensors", ((3,), (100,), (0,), (5, 7)))
+    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    out = tmp_path / "partners.json"
+    flag = "--partners" if dtype == "bfloat16" else f"--partners {dtype}"  # bfloat16: the flag's default
+    argv = f"--quick --optimizers SGD,Adam --workloads small {flag} --repeats 1 --warmup 0 --json {out}"
+    assert bench.main(argv.split()) == 0
+    text = capsys.readouterr().out
+    assert f"benchmark (quick, --partners {dtype})" in text
+    head = "optimizer | composition | fused | torch composition | speedup | B/elem comp. | B/elem fused"
+    head += " | traffic"
+    assert head in text
+    assert (
+        f"bit for bit, fused vs composition after 2 steps (masters, {dtype} partners, every state tensor):"
+        in text
+    )
+    assert "\n  SGD: equal\n  Adam: equal" in text
+    assert "MISMATCH" not in text and "FAILURES" not in text
+    result = json.loads(out.read_text())
+    assert result["meta"]["partners"] == dtype
+    rows = result["workloads"]["small"]["optimizers"]
+    for name, fp32, path in (("SGD", 20, "fused"), ("Adam", 28, "fused")):
+        row = rows[name]
+        assert list(row["median_ms"]) == ["composition", "fused", "torch composition"]
+        assert row["checks"] == {"fused": "ok"} and row["bit_for_bit"] is True
+        assert row["torch_path"] == path
+        # fused: grad read at 2 bytes, partner written at 2; composition: + widen 2+4, round back 4+2
+        assert row["bytes_per_element_by_config"] == {
+            "composition": fp32 + 12,
+            "fused": fp32,
+            "torch composition": fp32 + 12,
+        }
+        assert row["traffic_ratio"] == pytest.approx((fp32 + 12) / fp32)
+        ms = row["median_ms"]
+        assert row["speedup_fused_vs_composition"] == pytest.approx(ms["composition"] / ms["fused"])
+
+
+def test_partners_arguments_and_check(monkeypatch):
+    args = cli.parse_args(["--partners"])
+    assert args.partners == "bfloat16" and args.workloads == ["large", "small", "transformer"]
+    assert cli.parse_args([]).partners is None and cli.parse_args([]).workloads == list(bench.WORKLOADS)
+    for bad in ("--workloads per_param", "--backends reference", "--first-use", "int8"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--partners", *bad.split()])
+    params, grads = [torch.ones(3), torch.randn(2, 2)], [torch.ones(3), torch.randn(2, 2)]
+    assert partners.check("Adam", torch.float16, params, grads) is None
+    step = partners.Partnered.step
+
+    def one_off(self):  # the fused configuration's last partner element one bit up
+        step(self)
+        if self.grads is None:
+            self.partners[1].data.view(-1).view(torch.int16)[-1] += 1
+
+    monkeypatch.setattr(partners.Partnered, "step", one_off)
+    msg = partners.check("Adam", torch.bfloat16, params, grads)
+    assert msg.startswith("AssertionError: partner 1: 1 of 4 elements differ in their bits; first at 3"), msg
 
 
 def test_bits_mismatch():

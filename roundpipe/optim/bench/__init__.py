@@ -4,6 +4,9 @@
                                     [--backends fast,fast:torch | all] [--busy N] [--repeats N]
                                     [--warmup N] [--threads N] [--json PATH] [--plot PATH.png]
     python -m roundpipe.optim.bench --first-use [--model default|small] [--json PATH]
+    python -m roundpipe.optim.bench --partners [bfloat16|float16] [--quick] [--optimizers ...]
+                                    [--workloads large,small,transformer] [--busy N] [--repeats N]
+                                    [--warmup N] [--threads N] [--json PATH]
 
 For every optimizer and workload, the same parameters and gradients (seeded) are stepped by each
 engine, one column each, roundpipe's first (its default, ``fast``, leftmost):
@@ -65,10 +68,25 @@ temporary directory: cold), the first step again in a new process with that cach
 that process's third step (normal); against the goals import <= 0.5 s, cold first step <= 2 s,
 warm first step <= 0.3 s beyond a normal step.
 
+``--partners [bfloat16|float16]`` (bfloat16 when given without a value; ``partners``) times fp32
+masters with low-precision partners (``roundpipe.optim.masters``) on the default backend, for
+``large``, ``small`` and ``transformer`` (the default ``--workloads``): ``composition`` (unpaired
+masters; a step widens the partners' grads into fp32 ones with ``torch._foreach_copy_``, steps,
+and rounds the partners back the same way), ``fused`` (the masters paired; a step is
+``opt.step()`` alone) and ``torch composition`` (the composition with torch's fused optimizer
+where it has a CPU kernel, else its for-loop), with the same warm-up, round-robin and medians.
+Its table gives each median, the speedup composition / fused, the bytes per element of each
+(``traffic.partner_bytes``: fused moves the fp32 step's traffic with the grad read at 2 bytes
+instead of 4, plus a 2-byte partner write; the composition adds the widen pass, read 2 + write
+4, and the round-back pass, read 4 + write 2) and their ratio. Before timing, fused and
+composition step twice from the same inputs and must leave masters, partners and every state
+tensor equal bit for bit; a difference is reported and makes the exit status 1.
+
 Modules: ``workloads`` (options, shapes, the configurations and the check against torch),
 ``traffic`` (bytes per element from the spec), ``timing`` (the round-robin loop, the bandwidth
 probe, ``--busy`` workers, threads), ``report`` (tables, JSON, plot), ``engine`` (which engine
-``fast`` runs), ``first_use`` (``--first-use``), ``cli`` (arguments, the run, ``main``).
+``fast`` runs), ``first_use`` (``--first-use``), ``partners`` (``--partners``), ``cli``
+(arguments, the run, ``main``).
 """
 
 from .cli import ALL_BACKENDS, _backends, _names, machine_meta, main, parse_args, run

@@ -18,7 +18,7 @@ import torch
 from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
 
-from . import first_use
+from . import first_use, partners
 from .engine import FallbackWatch, fast_engine
 from .report import failures_of, plot, report, to_json
 from .timing import bench_one, busy, log, measure_bandwidth, set_threads, summarize_bandwidth, thread_pools
@@ -80,7 +80,7 @@ def run(args, busy_pids=()) -> dict:
     bw_repeats = 5 if quick else 9
 
     fused = {n: has_fused(n) for n in args.optimizers}
-    rp_configs = ["rp " + b for b in args.backends]
+    partners_dtype = getattr(args, "partners", None)  # --partners: fused against composition
     meta = {
         **machine_meta(args),
         "busy": args.busy,
@@ -93,13 +93,17 @@ def run(args, busy_pids=()) -> dict:
         "optimizers": args.optimizers,
         "options": {n: OPTIONS[n] for n in args.optimizers},
         "fused_available": fused,
+        "partners": partners_dtype,
         "argv": sys.argv[1:],
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    engines = f"{', '.join(args.backends)}, for-loop, foreach, fused"
+    if partners_dtype:
+        engines = f"{partners_dtype} partners: {', '.join(partners.CONFIGS)}"
     log(
         f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
         f"roundpipe {meta['roundpipe_threads']}; warm-up {warmup}, repetitions {repeats}; "
-        f"engines: {', '.join(args.backends)}, for-loop, foreach, fused; busy processes: {args.busy}"
+        f"engines: {engines}; busy processes: {args.busy}"
     )
     log("measuring memory bandwidth ...")
     bw_samples = measure_bandwidth(bw_numel, bw_repeats)
@@ -116,19 +120,17 @@ def run(args, busy_pids=()) -> dict:
             rows = []
             for name in args.optimizers:
                 t0 = time.perf_counter()
-                torch_configs = [LOOP] if wl.per_param else [LOOP, FOREACH]
-                configs = rp_configs + torch_configs + ([FUSED] if fused[name] else [])
-                row = bench_one(
-                    name, configs, base_params, base_grads, warmup, repeats, wl.name, wl.per_param
-                )
-                for b in args.backends:
-                    if "rp " + b in row.errors:
-                        continue
-                    row.checks[b] = check(name, b, base_params, base_grads, per_param=wl.per_param)
-                    if row.checks[b] is not None:
-                        log(f"  [{wl.name}] {name} {b}: MISMATCH with torch: {row.checks[b]}")
+                if partners_dtype:
+                    row = partners.bench_row(
+                        name, partners_dtype, fused[name], base_params, base_grads, warmup, repeats, wl.name
+                    )
+                else:
+                    row = bench_row(
+                        args.backends, name, fused[name], wl, base_params, base_grads, warmup, repeats
+                    )
                 gc.collect()
-                times = ", ".join(f"{label(c)} {ms:.2f}" for c, ms in row.median_ms.items())
+                show = str if partners_dtype else label
+                times = ", ".join(f"{show(c)} {ms:.2f}" for c, ms in row.median_ms.items())
                 log(f"  [{wl.name}] {name}: {times} ms  ({time.perf_counter() - t0:.1f}s)")
                 rows.append(row)
             results[wl.name] = {
@@ -150,6 +152,21 @@ def run(args, busy_pids=()) -> dict:
     meta["elapsed_s"] = time.perf_counter() - t_start
     meta["thread_pools"] = thread_pools()
     return {"meta": meta, "bandwidth": bandwidth, "workloads": results}
+
+
+def bench_row(backends, name, fused, wl, base_params, base_grads, warmup, repeats):
+    """The normal mode's row: roundpipe's backends and torch's paths timed (``bench_one``), then
+    each backend checked against torch's for-loop (``row.checks``)."""
+    torch_configs = [LOOP] if wl.per_param else [LOOP, FOREACH]
+    configs = ["rp " + b for b in backends] + torch_configs + ([FUSED] if fused else [])
+    row = bench_one(name, configs, base_params, base_grads, warmup, repeats, wl.name, wl.per_param)
+    for b in backends:
+        if "rp " + b in row.errors:
+            continue
+        row.checks[b] = check(name, b, base_params, base_grads, per_param=wl.per_param)
+        if row.checks[b] is not None:
+            log(f"  [{wl.name}] {name} {b}: MISMATCH with torch: {row.checks[b]}")
+    return row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,9 +226,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--workloads",
         type=lambda s: _names(s, WORKLOAD_NAMES, "workload"),
-        default=list(WORKLOADS),
+        default=None,
         help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: {','.join(WORKLOADS)}; "
-        "per_param = per_param_small,per_param_large)",
+        f"per_param = per_param_small,per_param_large; with --partners: {','.join(partners.WORKLOADS)})",
     )
     p.add_argument(
         "--backends",
@@ -239,12 +256,33 @@ def parse_args(argv=None):
         "empty (cold) and a filled (warm) kernel cache, each in fresh subprocesses",
     )
     p.add_argument(
+        "--partners",
+        nargs="?",
+        const="bfloat16",
+        choices=tuple(partners.DTYPES),
+        help="instead: fp32 masters paired with bfloat16 (the default) or float16 partners; time the "
+        "default backend's fused step against the composition (widen the grads, step, round back), "
+        "and torch's composition, after checking fused equals the composition bit for bit",
+    )
+    p.add_argument(
         "--model",
         choices=("default", "small"),
         default="default",
         help="--first-use: the demo's model to step (default: default; small: tiny, for tests)",
     )
     args = p.parse_args(argv)
+    if args.workloads is None:
+        args.workloads = list(partners.WORKLOADS if args.partners else WORKLOADS)
+    if args.partners:
+        if args.first_use:
+            p.error("--partners and --first-use are two different runs: give one")
+        others = [w for w in args.workloads if w not in partners.WORKLOADS]
+        if others:
+            p.error(f"--partners times {', '.join(partners.WORKLOADS)}, not {', '.join(others)}")
+        if args.backends != [rp_backends.DEFAULT]:
+            p.error(f"--partners times the default backend ({rp_backends.DEFAULT}): drop --backends")
+        if args.plot:
+            p.error("--plot draws the normal mode's times; --partners has its own table")
     for b in args.backends:
         try:
             rp_backends.resolve(b)
@@ -287,12 +325,17 @@ def main(argv=None) -> int:
     args.load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     with busy(args.busy) as pids:
         result = run(args, pids)
-    print(report(result, args.backends), flush=True)
+    if args.partners:
+        text, doc, failures = partners.report(result), partners.to_json(result), partners.failures_of(result)
+    else:
+        text, doc = report(result, args.backends), to_json(result, args.backends)
+        failures = failures_of(result, args.backends)
+    print(text, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json(result, args.backends), f, indent=1)
+            json.dump(doc, f, indent=1)
         log(f"wrote {args.json}")
     if args.plot:
         plot(result, args.backends, args.plot)
         log(f"wrote {args.plot}")
-    return 1 if failures_of(result, args.backends) else 0
+    return 1 if failures else 0

@@ -118,20 +118,23 @@ def format_tables(wl: str, res: dict, backends, gbps: float) -> str:
     return "\n".join(out)
 
 
-def report(result: dict, backends) -> str:
+def header(result: dict, checked: str, legend: str) -> list[str]:
+    """The report's first lines: versions, the default backend's engine, ``checked`` (how the
+    results were checked), threads, busy processes, the bandwidth, ``legend``, thread pools and
+    the environment."""
     meta, bw = result["meta"], result["bandwidth"]
-    gbps = bw["ceiling_GBps"]
     versions = (
         f"torch {meta['torch']}, numexpr {meta['numexpr']} (vml {meta['numexpr_use_vml']}), "
         f"numpy {meta['numpy']}, python {meta['python']}"
     )
     if meta.get("numba"):
         versions += f", numba {meta['numba']} (NUMBA_NUM_THREADS {meta['numba_threads']})"
+    mode = f", --partners {meta['partners']}" if meta.get("partners") else ""
     load = meta["load_average_before"]
     out = [
-        f"roundpipe.optim benchmark ({'quick' if meta['quick'] else 'full'}): {versions}",
+        f"roundpipe.optim benchmark ({'quick' if meta['quick'] else 'full'}{mode}): {versions}",
         f"default backend: {meta['fast_engine']['text']}",
-        check_line(meta["check_kind"]),
+        checked,
         f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
         f"roundpipe step {meta['roundpipe_threads']}, cpus {meta['cpu_count']}; "
         f"median of {meta['repeats']} round-robin repetitions "
@@ -145,14 +148,23 @@ def report(result: dict, backends) -> str:
         f"memory bandwidth (bytes read + written; in-place mul_ on {bw['mul_']['bytes'] // 2**21} MiB, "
         "copy_ between two such arrays): "
         f"mul_ {bw['mul_']['GBps']:.1f} GB/s, copy_ {bw['copy_']['GBps']:.1f} GB/s; "
-        f"ceiling used: {gbps:.1f} GB/s",
-        "B/elem: bytes a step must read and write per element (from its spec program); "
-        "bw-bound: B/elem x elements / bandwidth ceiling, in ms",
+        f"ceiling used: {bw['ceiling_GBps']:.1f} GB/s",
+        legend,
     ]
     if meta.get("thread_pools"):
         out.append("thread pools after the run (threadpoolctl): " + "; ".join(meta["thread_pools"]))
     if meta["env"]:
         out.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(meta["env"].items())))
+    return out
+
+
+def report(result: dict, backends) -> str:
+    gbps = result["bandwidth"]["ceiling_GBps"]
+    legend = (
+        "B/elem: bytes a step must read and write per element (from its spec program); "
+        "bw-bound: B/elem x elements / bandwidth ceiling, in ms"
+    )
+    out = header(result, check_line(result["meta"]["check_kind"]), legend)
     for wl, res in result["workloads"].items():
         out += ["", format_tables(wl, res, backends, gbps)]
     failures = failures_of(result, backends)
@@ -193,27 +205,33 @@ def failures_of(result: dict, backends) -> list[str]:
     return out
 
 
-def to_json(result: dict, backends) -> dict:
+def to_json(result: dict, backends, row_doc=None) -> dict:
+    """The JSON document: meta, bandwidth, and per workload its rows by optimizer, each
+    ``row_doc(row)`` (default: ``row_json`` and ``derived``)."""
     gbps = result["bandwidth"]["ceiling_GBps"]
+    if row_doc is None:
+        row_doc = lambda row: {**row_json(row), **derived(row, backends, gbps)}
     workloads = {}
     for wl, res in result["workloads"].items():
-        rows = {}
-        for row in res["rows"]:
-            rows[row.optimizer] = {
-                "options": OPTIONS[row.optimizer],
-                "bytes_per_element": row.bytes_per_element,
-                "reads": row.reads,
-                "writes": row.writes,
-                "numel": row.numel,
-                "median_ms": {label(c): v for c, v in row.median_ms.items()},
-                "min_ms": {label(c): v for c, v in row.min_ms.items()},
-                "samples_ms": {label(c): v for c, v in row.samples_ms.items()},
-                "errors": {label(c): v for c, v in row.errors.items()},
-                "checks": {b: (m or "ok") for b, m in row.checks.items()},
-                **derived(row, backends, gbps),
-            }
+        rows = {row.optimizer: row_doc(row) for row in res["rows"]}
         workloads[wl] = {**{k: v for k, v in res.items() if k != "rows"}, "optimizers": rows}
     return {"meta": result["meta"], "bandwidth": result["bandwidth"], "workloads": workloads}
+
+
+def row_json(row: Row, name=label) -> dict:
+    """A row's options, traffic and samples for the JSON document; ``name``: a config's key."""
+    return {
+        "options": OPTIONS[row.optimizer],
+        "bytes_per_element": row.bytes_per_element,
+        "reads": row.reads,
+        "writes": row.writes,
+        "numel": row.numel,
+        "median_ms": {name(c): v for c, v in row.median_ms.items()},
+        "min_ms": {name(c): v for c, v in row.min_ms.items()},
+        "samples_ms": {name(c): v for c, v in row.samples_ms.items()},
+        "errors": {name(c): v for c, v in row.errors.items()},
+        "checks": {b: (m or "ok") for b, m in row.checks.items()},
+    }
 
 
 def plot(result: dict, backends, path: str) -> None:

@@ -71,15 +71,21 @@ def timed_step(opt) -> float:
     return time.perf_counter() - t0
 
 
-def bench_one(name, configs, base_params, base_grads, warmup, repeats, wl, per_param=False) -> Row:
+def bench_one(name, configs, base_params, base_grads, warmup, repeats, wl, per_param=False, make=None) -> Row:
     """Every configuration of optimizer ``name`` on fresh copies of the inputs: ``warmup`` steps
-    each, then ``repeats`` round-robin rounds of one timed step each (the starting one rotates)."""
+    each, then ``repeats`` round-robin rounds of one timed step each (the starting one rotates).
+    ``make(config)``: what a configuration steps (anything with ``step()``); by default its
+    optimizer (``make_optimizer``) over a copy of the inputs."""
+    if make is None:
+        make = lambda config: make_optimizer(
+            config, name, clone_params(base_params, base_grads), per_param=per_param
+        )
     numel = sum(p.numel() for p in base_params)
     row = Row(name, *bytes_per_element(name), numel, tensors=len(base_params), per_param=per_param)
     live = {}
     for config in configs:
         try:
-            opt = make_optimizer(config, name, clone_params(base_params, base_grads), per_param=per_param)
+            opt = make(config)
             for _ in range(warmup):
                 opt.step()
         except Exception as e:

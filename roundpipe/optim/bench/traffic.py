@@ -57,3 +57,19 @@ def bytes_per_element(name: str) -> tuple[int, tuple[str, ...], tuple[str, ...]]
     and writes."""
     read, written = traffic(steady_program(name))
     return ELEMENT_BYTES * (len(read) + len(written)), read, written
+
+
+def partner_bytes(name: str, dtype: torch.dtype) -> dict[str, int]:
+    """Minimal bytes per element of a steady-state step of ``name`` on fp32 masters paired with
+    ``dtype`` partners (``--partners``), by configuration: ``fused``, the one pass, moves the
+    master's traffic with the gradient read at ``dtype``'s size instead of 4, plus the partner's
+    write; ``composition`` (and ``torch composition``) is the master's step plus the widen pass
+    (read the partner's gradient, write the fp32 one) and the round-back pass (read the master,
+    write the partner)."""
+    master, read, written = bytes_per_element(name)
+    if "grad" not in read or "param" not in written:
+        raise ValueError(f"{name}'s program does not read grad and write param: {read} -> {written}")
+    low = dtype.itemsize
+    fused = master - ELEMENT_BYTES + low + low
+    composition = master + (low + ELEMENT_BYTES) + (ELEMENT_BYTES + low)
+    return {"composition": composition, "fused": fused, "torch composition": composition}

@@ -207,26 +207,33 @@ def check(name: str, backend: str, base_params, base_grads, steps: int = 2, per_
         for _ in range(steps):
             ref.step()
             rp.step()
-        rp_state = rp.state
-        pairs = [("param", list(rp_params), list(ref_params))]
-        for key, v in ref.state[ref_params[0]].items():
-            if isinstance(v, torch.Tensor):
-                got = [rp_state.get(b, {}).get(key) for b in rp_params]
-                pairs.append((f"state {key!r}", got, [ref.state[a][key] for a in ref_params]))
-        # all tensors of an entry at once, then one by one to say where
-        for what, got, expected in pairs:
-            missing = [i for i, t in enumerate(got) if not isinstance(t, torch.Tensor)]
-            if missing:
-                return f"AssertionError: {what} {missing[0]}: missing"
-            if _mismatch(_flat(got), _flat(expected), bitwise) is None:
-                continue
-            for i, (w, v) in enumerate(zip(got, expected, strict=True)):
-                why = _mismatch(w.detach(), v.detach(), bitwise)
-                if why is not None:
-                    return f"AssertionError: {what} {i}: {why}".strip()
-            return f"AssertionError: {what}: the concatenated tensors differ"  # not one by one
+        return state_mismatch(rp.state, rp_params, ref.state, ref_params, bitwise)
     except Exception as e:  # the backend failing
         return f"{type(e).__name__}: {e}".strip()
+
+
+def state_mismatch(state, params, ref_state, ref_params, bitwise=True, what="param", extra=()):
+    """None if ``params`` (named ``what``), each ``(what, got, expected)`` entry of ``extra`` and
+    every state tensor (``state[p][key]`` for the tensor keys of ``ref_state[ref_params[0]]``)
+    equal the reference's, bit for bit or close (``bitwise``); else an ``AssertionError: ...``
+    message that says where they first differ."""
+    pairs = [(what, list(params), list(ref_params)), *extra]
+    for key, v in ref_state[ref_params[0]].items():
+        if isinstance(v, torch.Tensor):
+            got = [state.get(b, {}).get(key) for b in params]
+            pairs.append((f"state {key!r}", got, [ref_state[a][key] for a in ref_params]))
+    # all tensors of an entry at once, then one by one to say where
+    for what, got, expected in pairs:
+        missing = [i for i, t in enumerate(got) if not isinstance(t, torch.Tensor)]
+        if missing:
+            return f"AssertionError: {what} {missing[0]}: missing"
+        if _mismatch(_flat(got), _flat(expected), bitwise) is None:
+            continue
+        for i, (w, v) in enumerate(zip(got, expected, strict=True)):
+            why = _mismatch(w.detach(), v.detach(), bitwise)
+            if why is not None:
+                return f"AssertionError: {what} {i}: {why}".strip()
+        return f"AssertionError: {what}: the concatenated tensors differ"  # not one by one
     return None
 
 

@@ -1148,18 +1148,6 @@ def _make_intrinsics():
             return types.float32(types.float32, types.float32, types.float32), codegen
 
         @intrinsic
-        def f32ptr(typingctx, address):
-            """The float32 pointer at an integer address (a tensor's ``data_ptr()``)."""
-            if not isinstance(address, types.Integer):
-                return None
-            ptr = types.CPointer(types.float32)
-
-            def codegen(context, builder, signature, args):
-                return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-            return ptr(address), codegen
-
-        @intrinsic
         def call_sqrt_at(typingctx, fn, n, src, dst):
             """``fn(n, src, dst, VML_MODE)``: the sqrt routine at address ``fn`` (vmsSqrt's
             signature: int32 count, float32 in, float32 out, int64 mode) on ``n`` elements, the
@@ -1179,22 +1167,11 @@ def _make_intrinsics():
 
             return types.void(fn, n, src, dst), codegen
 
-        @intrinsic
-        def u16ptr(typingctx, address):
-            """The uint16 pointer at an integer address (a bfloat16 or float16 tensor's data)."""
-            if not isinstance(address, types.Integer):
-                return None
-            ptr = types.CPointer(types.uint16)
-
-            def codegen(context, builder, signature, args):
-                return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-            return ptr(address), codegen
-
         _intrinsics.update(
             fma=fma,
-            f32ptr=f32ptr,
-            u16ptr=u16ptr,
+            # the float32 / uint16 (bfloat16, float16 bits) pointer at a tensor's data_ptr()
+            f32ptr=_pointer(intrinsic, types, types.float32),
+            u16ptr=_pointer(intrinsic, types, types.uint16),
             **_conversions(intrinsic, types, ir),
             call_sqrt_at=call_sqrt_at,
             sqrt4=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=4),
@@ -1202,6 +1179,23 @@ def _make_intrinsics():
             sqrt8_fma=_sqrtv(intrinsic, types, ir, with_fma=True, lanes=8),
         )
     return _intrinsics
+
+
+def _pointer(intrinsic, types, element):
+    """An intrinsic: the pointer to ``element`` at an integer address."""
+    ptr = types.CPointer(element)
+
+    def pointer(typingctx, address):
+        if not isinstance(address, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(address), codegen
+
+    pointer.__name__ = f"{element}ptr"
+    return intrinsic(pointer)
 
 
 def _conversions(intrinsic, types, ir):

@@ -19,10 +19,10 @@ bit for bit its own composition). Covered:
 * every optimizer with its default hyperparameters on the numba engine, a smoke grid (the full
   option grid is ``conformance/test_partners.py``).
 
-Two known library bugs are marked ``xfail(strict=True)`` (see their reasons): a partner re-viewed
-at its own address after a step (``.data =`` a view of its storage: other strides, shape or
-dtype) is not re-validated, and a partner sharing memory with another partner's gradient is
-neither refused nor stepped as the composition on the numba engine.
+Two gaps found by these tests and fixed: a partner re-viewed at its own address after a step
+(``.data =`` a view of its storage: other strides, shape or dtype) is re-validated, and a partner
+sharing memory with another partner's gradient is refused (the fused pass would write it before
+reading that gradient; the composition widens every gradient first).
 """
 
 from __future__ import annotations
@@ -460,6 +460,15 @@ STEP_REFUSES = {
         "bfloat16 or torch.float16",
         False,
     ),
+    # the pass would write partner 0 before it reads partner 1's gradient: refused (the
+    # composition widens every gradient first), also once the plan is checked per step only
+    "a partner grad on another partner": (
+        lambda ms, qs, o: setattr(qs[1], "grad", qs[0].detach().view(-1)[2:7]),
+        0,
+        ValueError,
+        r"overlaps in memory with the gradient of param_groups\[0\]\['params'\]\[1\]",
+        False,
+    ),
     "partner .data overlaps its master": (
         lambda ms, qs, o: setattr(qs[2], "data", ms[2].detach().view(torch.bfloat16)[:6]),
         2,
@@ -636,12 +645,7 @@ def _same_address(make):
 
 
 # Tampering with a partner after a step without moving its address (``.data =`` a view of its own
-# storage) is not seen: the plan's check compares partners' addresses only.
-SAME_ADDRESS_BUG = (
-    "library bug: the step plan's check (GroupPlan._paired_grads) compares only the partners' "
-    "data_ptr; a partner re-viewed at the same address (.data = a view of its own storage) after "
-    "a step keeps the old plan: no error, and the numba engine writes the old layout/dtype"
-)
+# storage): the plan's per-step check compares each partner's address, shape, strides and dtype.
 SAME_ADDRESS = {
     # the partner of ms[1] (shape (5,)) lives in a buffer of 10: re-viewed with stride 2
     "not contiguous": (
@@ -655,7 +659,6 @@ SAME_ADDRESS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=SAME_ADDRESS_BUG)
 @pytest.mark.parametrize("case", list(SAME_ADDRESS))
 @pytest.mark.parametrize("engine", ENGINES)
 def test_step_refuses_same_address_tampering(engine, case):
@@ -673,16 +676,6 @@ def test_step_refuses_same_address_tampering(engine, case):
     _assert_step_refused(opt, 1, exc, match)
 
 
-PARTNER_ON_A_GRAD_BUG = (
-    "library bug: _check_partners checks partners against parameters, state tensors and other "
-    "partners, not against the gradients the step reads; on fast:numba (fused) a partner that "
-    "shares memory with a later parameter's partner gradient is written before that gradient "
-    "is read: no error, and the result differs from the composition (which widens every "
-    "gradient before it writes any partner)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=PARTNER_ON_A_GRAD_BUG)
 def test_partner_sharing_memory_with_a_partner_grad():
     """a's partner is b's partner's gradient (same memory): refused, or the composition."""
     n = 64

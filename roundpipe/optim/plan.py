@@ -29,6 +29,7 @@ from __future__ import annotations
 import operator
 import sys
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -261,7 +262,9 @@ class GroupPlan:
         "units",
         "partners",
         "sources",
-        "partner_ptrs",
+        "partner_meta",
+        "partner_spans",
+        "grad_nbytes",
         "grad_shapes",
         "grad_dtypes",
     )
@@ -294,12 +297,24 @@ class GroupPlan:
         # gradient (else the master's own)
         self.partners, self.sources = pairs if pairs is not None else (None, None)
         if self.partners is not None:
-            self.partner_ptrs = [q.data_ptr() if q is not None else 0 for q in self.partners]
+            # what the step writes through each partner: a ``.data =`` view of the same memory
+            # (other shape, strides or dtype) is a change the per-step check must see
+            self.partner_meta = _partner_meta(self.partners)
             grad_like = [
                 q if src else p for p, q, src in zip(params, self.partners, self.sources, strict=True)
             ]
             self.grad_shapes = [t.shape for t in grad_like]
             self.grad_dtypes = [t.dtype for t in grad_like]
+            self.grad_nbytes = np.array([t.numel() * t.element_size() for t in grad_like], dtype=np.int64)
+            # the partners' memory, sorted (they do not overlap: _check_partners), against which
+            # each step's gradients are checked: the pass writes a partner before it has read
+            # every gradient, the composition widens every gradient first
+            spans = sorted(
+                (q.data_ptr(), q.data_ptr() + q.numel() * q.element_size())
+                for q in self.partners
+                if q is not None and q.numel()
+            )
+            self.partner_spans = np.array(spans, dtype=np.int64).reshape(-1, 2)
         self.units = _units(self, init_flags)
 
     def grads(self):
@@ -329,8 +344,17 @@ class GroupPlan:
         grads = [lo if src else g for g, lo, src in zip(own, low, sources, strict=True)]
         if not _grads_ok(grads, self.grad_shapes, self.grad_dtypes):
             return None
-        if [0 if q is None else q.data_ptr() for q in self.partners] != self.partner_ptrs:
+        if _partner_meta(self.partners) != self.partner_meta:
             return None
+        if len(self.partner_spans):
+            starts = np.array([g.data_ptr() for g in grads], dtype=np.int64)
+            ends = starts + self.grad_nbytes
+            spans = self.partner_spans
+            # the last partner starting before each gradient ends: overlap if it ends after the
+            # gradient starts (empty gradients: ends == starts, never an overlap)
+            k = np.searchsorted(spans[:, 0], ends, side="left") - 1
+            if ((k >= 0) & (spans[np.maximum(k, 0), 1] > starts) & (ends > starts)).any():
+                return None  # rebuilt: _check_partners names the overlap
         return grads
 
     def current_grads(self):
@@ -641,9 +665,18 @@ def _stepped(cls_name, gi, group_params):
     return indices, params, ([partners[pi] for pi in indices], sources)
 
 
+def _partner_meta(partners):
+    return [None if q is None else (q.data_ptr(), q.shape, q.stride(), q.dtype) for q in partners]
+
+
+_PARTNER, _TENSOR, _GRAD = range(3)
+_KINDS = {_PARTNER: "the partner of", _TENSOR: "a parameter or state tensor of", _GRAD: "the gradient of"}
+
+
 def _check_partners(cls_name, groups):
-    """Refuse a partner that overlaps in memory any parameter, state tensor or other partner
-    (its writes would change what the step reads)."""
+    """Refuse a partner that overlaps in memory any parameter, state tensor, gradient the step
+    reads or other partner (its writes would change what the step reads: the composition
+    widens every gradient and steps every master before it writes any partner)."""
     spans = []
     for gp in groups:
         if gp.partners is None:
@@ -651,23 +684,25 @@ def _check_partners(cls_name, groups):
         for i, q in enumerate(gp.partners):
             if q is not None and q.numel():
                 start = q.data_ptr()
-                spans.append((start, start + q.numel() * q.element_size(), True, gp, i))
+                spans.append((start, start + q.numel() * q.element_size(), _PARTNER, gp, i))
     if not spans:
         return
     for gp in groups:
+        grads = gp.current_grads()
         for i, p in enumerate(gp.params):
             t = local(p)
-            for x in (t, *(gp.tensors[n][i] for n in gp.inputs)):
+            read = [(t, _TENSOR), *((gp.tensors[n][i], _TENSOR) for n in gp.inputs), (grads[i], _GRAD)]
+            for x, kind in read:
                 x = local(x)
                 if x.numel():
-                    spans.append((x.data_ptr(), x.data_ptr() + x.numel() * x.element_size(), False, gp, i))
+                    spans.append((x.data_ptr(), x.data_ptr() + x.numel() * x.element_size(), kind, gp, i))
     spans.sort(key=lambda s: (s[0], s[1]))
     end, prev = spans[0][1], spans[0]
     for span in spans[1:]:
-        if span[0] < end and (span[2] or prev[2]):
-            part = span if span[2] else prev
+        if span[0] < end and _PARTNER in (span[2], prev[2]):
+            part = span if span[2] == _PARTNER else prev
             other = prev if part is span else span
-            kind = "the partner of" if other[2] else "a parameter or state tensor of"
+            kind = _KINDS[other[2]]
             gp, i = part[3], part[4]
             where = where_of(cls_name, gp.gi, gp.indices[i], gp.params[i])
             ogp, oi = other[3], other[4]

@@ -39,7 +39,7 @@ Rounding is torch's float32 rounding, bit for bit (torch.optim's for-loop, ``for
   ``vmsSqrt`` (one ulp off the correctly rounded root in about 20% of elements), found once per
   process (``torch_sqrt``). Calling it costs about 0.8 ns an element, which made an Adam step
   compute-bound on two cores, so the kernels compute what MKL's own float32 kernel for this
-  CPU computes: ``rsqrtps`` and a correction step, eight (or four) lanes at a time, handing the
+  CPU computes: ``rsqrtps`` and a correction step, sixteen lanes at a time, handing the
   lanes outside that sequence's range (subnormal, negative, huge, inf, NaN) to ``vmsSqrt``
   itself (``sqrt_kind``: the emulation is used only where a probe finds it equal to
   ``torch.sqrt``; checked once over all 2**32 float32 on an AMD EPYC: equal). Where no
@@ -106,7 +106,7 @@ logger = logging.getLogger("roundpipe.optim")
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
 INSTALL_HINT = "pip install numba (roundpipe declares it; a wheel, no compiler needed)"
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 7
+GENERATOR_VERSION = 8
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
 # Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
@@ -471,8 +471,9 @@ def _sqrt_passes(cg, program):
 # address of torch's routine) is not 0:
 # * ``routine``: calls it (MKL's ``vmsSqrt``: about 0.8 ns an element, which makes an Adam step
 #   compute-bound on a few cores);
-# * ``emulated-avx``/``emulated``/``emulated-fma``: computes, eight (AVX) or four (SSE) lanes at a
-#   time, the sequence MKL's SSE float32 kernel (``emulated*``; rounded after each operation) or
+# * ``emulated-avx``/``emulated``/``emulated-fma``: computes, SQRT_LANES lanes at a time (its
+#   ``rsqrtps`` eight (AVX) or four (SSE) lanes wide), the sequence MKL's SSE float32 kernel
+#   (``emulated*``; rounded after each operation) or
 #   its AVX2 kernel (``emulated-fma``) runs (``_sqrtv``), which equals it bit
 #   for bit wherever that sequence applies (x positive, normal, below 0x7f7ff000; zeros are
 #   returned as they are, as sqrt(+-0) is +-0); the other lanes (subnormal, negative, huge,
@@ -481,15 +482,16 @@ def _sqrt_passes(cg, program):
 SQRT_KINDS = ("routine", "emulated-avx", "emulated", "emulated-fma")
 # the low-precision dtypes of a pairing (masters.py), by name
 _LOW = ("bfloat16", "float16")
-# kind -> (the intrinsic, its lanes)
-_EMULATIONS = {"emulated-avx": ("sqrt8", 8), "emulated": ("sqrt4", 4), "emulated-fma": ("sqrt8_fma", 8)}
-_SQRT_IMPORTS = {"routine": ["call_sqrt_at"], **{k: ["call_sqrt_at", v[0]] for k, v in _EMULATIONS.items()}}
+# kind -> its intrinsic (``_sqrtv``), which takes SQRT_LANES roots a call
+_EMULATIONS = {"emulated-avx": "sqrtv_avx", "emulated": "sqrtv_sse", "emulated-fma": "sqrtv_fma"}
+SQRT_LANES = 16
+_SQRT_IMPORTS = {"routine": ["call_sqrt_at"], **{k: ["call_sqrt_at", v] for k, v in _EMULATIONS.items()}}
 
 
 def _sqrt_block(kind, indent, q, r):
     if kind == "routine":
         return [f"{indent}call_sqrt_at(sqrt_fn, mb, {q}.ctypes.data, {r}.ctypes.data)"]
-    emu, lanes = _EMULATIONS[kind]
+    emu, lanes = _EMULATIONS[kind], SQRT_LANES
     lines = [
         f"qa = {q}.ctypes.data",
         f"ra = {r}.ctypes.data",
@@ -1131,8 +1133,8 @@ def kernel_source(program, variant=None, fused=None) -> str:
 # ---------------------------------------------------------------------------------------------
 # intrinsics imported by the generated modules, built on first use (numba is imported lazily):
 # ``fma`` (float32 a * b + c rounded once), ``f32ptr`` (an address as a float32 pointer) and
-# ``call_sqrt_at`` (torch's sqrt routine, called through its address), ``sqrt4``/``sqrt8``/
-# ``sqrt8_fma`` (MKL's sqrt sequence, ``_sqrtv``)
+# ``call_sqrt_at`` (torch's sqrt routine, called through its address), ``sqrtv_avx``/``sqrtv_sse``/
+# ``sqrtv_fma`` (MKL's sqrt sequence, ``_sqrtv``)
 
 # Built once, then read-only; unlocked: threads racing on the first build each make an equal
 # set, and the dict ends holding one (``update`` is atomic under the GIL).
@@ -1185,9 +1187,9 @@ def _make_intrinsics():
             u16ptr=_pointer(intrinsic, types, types.uint16),
             **_conversions(intrinsic, types, ir),
             call_sqrt_at=call_sqrt_at,
-            sqrt4=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=4),
-            sqrt8=_sqrtv(intrinsic, types, ir, with_fma=False, lanes=8),
-            sqrt8_fma=_sqrtv(intrinsic, types, ir, with_fma=True, lanes=8),
+            sqrtv_sse=_sqrtv(intrinsic, types, ir, with_fma=False, rsqrt_lanes=4),
+            sqrtv_avx=_sqrtv(intrinsic, types, ir, with_fma=False, rsqrt_lanes=8),
+            sqrtv_fma=_sqrtv(intrinsic, types, ir, with_fma=True, rsqrt_lanes=8),
         )
     return _intrinsics
 
@@ -1299,15 +1301,20 @@ def _conversions(intrinsic, types, ir):
     }
 
 
-def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
-    """``sqrtv(src, dst)``: the roots of ``lanes`` (4: SSE, 8: AVX) float32 at address ``src`` into
-    ``dst``, as MKL's float32 HA sqrt kernels compute them where their main path applies: ``y =
+def _sqrtv(intrinsic, types, ir, with_fma: bool, rsqrt_lanes: int):
+    """``sqrtv(src, dst)``: the roots of ``SQRT_LANES`` float32 at address ``src`` into ``dst``,
+    as MKL's float32 HA sqrt kernels compute them where their main path applies: ``y =
     rsqrtps(x)``, ``s = x * y``, ``h = 0.5 * y``, ``e = 0.5 - s * h``, ``s1 = s + s * e``, ``h1
     = h + e * h``, ``r = x - s1 * s1``, ``sqrt = s1 + r * h1`` (``with_fma``: each ``a +- b *
     c`` rounded once, as the AVX2 kernel does; else rounded after each operation, as the SSE
-    kernel). Zeros are returned as they are. Returns non-zero when a lane is outside that path
-    (MKL's own test: ``bits + 0x7f800000 > 0xfefff000`` as int32; zeros excepted): the caller
-    then gives those ``lanes`` elements to the routine."""
+    kernel). ``rsqrtps`` is taken ``rsqrt_lanes`` (4: SSE, 8: AVX) lanes at a time, as MKL's
+    kernel takes it (every lane's estimate is the CPU's table entry, whatever the width); the
+    rest is computed on all ``SQRT_LANES`` at once, which LLVM lowers to the widest vectors the
+    CPU has (one zmm with AVX-512, two ymm with AVX2: measured 2x fewer instructions per root on
+    an AVX-512 EPYC than eight lanes a call). Zeros are returned as they are. Returns non-zero
+    when a lane is outside that path (MKL's own test: ``bits + 0x7f800000 > 0xfefff000`` as
+    int32; zeros excepted): the caller then gives those ``SQRT_LANES`` elements to the routine."""
+    lanes = SQRT_LANES
 
     @intrinsic
     def sqrtv(typingctx, src, dst):
@@ -1319,19 +1326,33 @@ def _sqrtv(intrinsic, types, ir, with_fma: bool, lanes: int):
 
             f32, i32 = ir.FloatType(), ir.IntType(32)
             vf, vi = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes)
+            vr = ir.VectorType(f32, rsqrt_lanes)
 
             def splat(ty, value):
                 return ir.Constant(ty, [value] * lanes)
+
+            def indices(values):
+                return ir.Constant(ir.VectorType(i32, len(values)), list(values))
 
             x = builder.load(builder.inttoptr(args[0], vf.as_pointer()), align=4)
             off_path = builder.icmp_signed(
                 ">", builder.add(builder.bitcast(x, vi), splat(vi, 0x7F800000)), splat(vi, -16781312)
             )
             zero = builder.fcmp_ordered("==", x, splat(vf, 0.0))
-            name = "llvm.x86.sse.rsqrt.ps" if lanes == 4 else "llvm.x86.avx.rsqrt.ps.256"
-            rsqrt = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(vf, [vf]))
+            name = "llvm.x86.sse.rsqrt.ps" if rsqrt_lanes == 4 else "llvm.x86.avx.rsqrt.ps.256"
+            rsqrt = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(vr, [vr]))
+            parts = [
+                builder.call(rsqrt, [builder.shuffle_vector(x, x, indices(range(lo, lo + rsqrt_lanes)))])
+                for lo in range(0, lanes, rsqrt_lanes)
+            ]
+            while len(parts) > 1:  # concatenate pairwise back to ``lanes`` lanes
+                width = 2 * parts[0].type.count
+                parts = [
+                    builder.shuffle_vector(parts[k], parts[k + 1], indices(range(width)))
+                    for k in range(0, len(parts), 2)
+                ]
+            y = parts[0]
             half = splat(vf, 0.5)
-            y = builder.call(rsqrt, [x])
             s = builder.fmul(x, y)
             h = builder.fmul(y, half)
             if with_fma:
@@ -1363,9 +1384,9 @@ _INTRINSICS = (
     "f32ptr",
     "u16ptr",
     "call_sqrt_at",
-    "sqrt4",
-    "sqrt8",
-    "sqrt8_fma",
+    "sqrtv_sse",
+    "sqrtv_avx",
+    "sqrtv_fma",
     "widen_bfloat16",
     "widen_float16",
     "narrow_bfloat16",

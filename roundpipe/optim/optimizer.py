@@ -121,18 +121,22 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                     scratch = {"step": Scratch(step[0].item(), step[0].dtype)}
                 else:
                     scratch = {n: c[0].clone() for n, c in cols.items()}
-                values, flags = {}, dict(unit.flags)
                 try:
-                    for k, v in spec.scalars(gp.group, scratch).items():
-                        if isinstance(v, bool):
-                            flags[k] = v
-                        else:
-                            values[k] = float(v)
+                    computed = spec.scalars(gp.group, scratch)
+                    # bools are flags (they select the program), the rest float scalars
+                    values = {
+                        k: v if type(v) is float else float(v)
+                        for k, v in computed.items()
+                        if type(v) is not bool
+                    }
                 except (ValueError, TypeError, RuntimeError) as e:
                     raise type(e)(
                         f"roundpipe.optim.{type(self).__name__}: param_groups[{gp.gi}]: "
                         f"cannot compute this step's scalars from the group's hyperparameters: {e}"
                     ) from e
+                flags = unit.flags
+                if len(values) != len(computed):
+                    flags = {**flags, **{k: v for k, v in computed.items() if type(v) is bool}}
                 writeback.append((unit, scratch))
                 memo = plan.cache.get(unit)  # the unit's last flags and their program
                 if memo is not None and memo[0] == flags:
@@ -144,7 +148,7 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 by_program.setdefault((program, unit.pairing), []).append((unit, values, grad_col))
         launches = []
         for (program, pairing), parts in by_program.items():
-            key = (program, tuple(id(unit) for unit, _, _ in parts))
+            key = (program, *[id(unit) for unit, _, _ in parts])
             hit = plan.cache.get(key)
             if hit is None:
                 names = (*program.tensors, "partner") if pairing[1] is not None else program.tensors
@@ -210,7 +214,10 @@ def _hooked_step(*args, **kwargs):
     if cls.step is not RoundpipeOptimizer.step:
         # a subclass's own step: torch wrapped that one in its hook runner, which runs the hooks
         return _step_body(*args, **kwargs)
-    with _record_function(f"Optimizer.step#{cls.__name__}.step"):
+    name = _step_names.get(cls)
+    if name is None:
+        name = _step_names[cls] = f"Optimizer.step#{cls.__name__}.step"
+    with _record_function(name):
         if _torch_optimizer._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks:
             for pre_hook in itertools.chain(
                 _torch_optimizer._global_optimizer_pre_hooks.values(),
@@ -250,6 +257,7 @@ def _step_body(self, closure=None):
     return loss
 
 
+_step_names: dict = {}  # class -> its step's profiler name (as torch's wrapper names it)
 _record_function = getattr(torch._C._profiler, "_RecordFunctionFast", torch.autograd.profiler.record_function)
 _disabled_fns: dict = {}
 

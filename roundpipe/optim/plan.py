@@ -149,14 +149,12 @@ def where_of(cls_name, gi, pi, p) -> str:
 
 
 def _grads_ok(grads, shapes, dtypes) -> bool:
-    """The fast form of tensor_problem for plain gradients (True: all well formed)."""
+    """The fast form of tensor_problem for plain gradients (True: all well formed; a None is
+    not: its type is not a tensor's)."""
     return (
-        all([type(g) in _PLAIN for g in grads])
+        all([type(g) in _PLAIN and g.is_cpu and g.layout is _STRIDED and g.is_contiguous() for g in grads])
         and [g.shape for g in grads] == shapes
         and [g.dtype for g in grads] == dtypes
-        and all([g.is_cpu for g in grads])
-        and all([g.layout is _STRIDED for g in grads])
-        and all([g.is_contiguous() for g in grads])
     )
 
 
@@ -256,7 +254,9 @@ class GroupPlan:
         "dtypes",
         "ptrs",
         "tensors",
-        "tensor_ptrs",
+        "state_keys",
+        "state_tensors",
+        "ptr_tensors",
         "plain",
         "complex",
         "units",
@@ -287,11 +287,15 @@ class GroupPlan:
         self.dtypes = [p.dtype for p in params]
         self.plain = not any(is_dtensor(p) for p in params)
         self.complex = [i for i, p in enumerate(params) if p.is_complex()]
-        self.ptrs = _ptrs(params, self.plain)
         # every state tensor the step reads or writes, by name, for the identity check
         self.tensors = {n: [st[n] for st in states] for n in (*self.inputs, *self.scalar_names)}
-        # and where their storage is (``.data =`` or ``.set_()`` moves it under the same object)
-        self.tensor_ptrs = {n: _ptrs(self.tensors[n], self.plain) for n in self.inputs}
+        # the same, flat, for the per-step identity check: (state dict, name) -> the tensor
+        self.state_keys = [(st, n) for n in self.tensors for st in states]
+        self.state_tensors = [t for col in self.tensors.values() for t in col]
+        # where the parameters' and the input state tensors' storage is (``.data =`` or
+        # ``.set_()`` moves it under the same object), in one list
+        self.ptr_tensors = [*params, *(t for n in self.inputs for t in self.tensors[n])]
+        self.ptrs = _ptrs(self.ptr_tensors, self.plain)
         # pairs: (partners, sources) from build, or None when no parameter of the group has a
         # partner (the step then never looks for one). sources[i]: the step reads the partner's
         # gradient (else the master's own)
@@ -323,12 +327,12 @@ class GroupPlan:
         if self.partners is not None:
             return self._paired_grads()
         grads = [p.grad for p in params]
-        if not all([g is not None for g in grads]):  # not `None in grads`: that calls Tensor.__eq__
-            return None
         if self.plain:
             if not _grads_ok(grads, self.shapes, self.dtypes):
                 return None
         else:
+            if not all([g is not None for g in grads]):  # not `None in grads`: that calls Tensor.__eq__
+                return None
             for p, g in zip(params, grads, strict=True):
                 if tensor_problem(g, "", like=p) is not None:
                     return None
@@ -472,16 +476,12 @@ class StepPlan:
             if len(gp.indices) != gp.n_params and gp.stepped() != len(gp.indices):
                 return None
             grads = gp.grads() if gp.params else []
-            if grads is None or _ptrs(gp.params, gp.plain) != gp.ptrs:
+            if grads is None or not all(map(is_, gp.params_list, gp.params_items)):
                 return None
-            if not all(map(is_, gp.params_list, gp.params_items)):
+            if not all(map(is_, [st.get(n) for st, n in gp.state_keys], gp.state_tensors)):
                 return None
-            for st_name, tensors in gp.tensors.items():
-                if not all(map(is_, [st.get(st_name) for st in gp.states], tensors)):
-                    return None
-            for st_name, ptrs in gp.tensor_ptrs.items():
-                if _ptrs(gp.tensors[st_name], gp.plain) != ptrs:
-                    return None
+            if _ptrs(gp.ptr_tensors, gp.plain) != gp.ptrs:
+                return None
             out.append(grads)
         if len(out) != len(self.groups):  # a group with grads that the plan has not seen
             return None

@@ -59,9 +59,15 @@ def lerp_weights(program) -> tuple:
     return tuple(names)
 
 
+# A double rounds to a float32 below 0.5 exactly when it is below this: the midpoint between
+# 0.5 and the float32 below it (0.5 - 2**-25), where rounding to nearest-even gives 0.5.
+_BELOW_HALF_F32 = 0.5 - 2.0**-26
+
+
 def lerp_variant(scalars: dict, weights) -> tuple:
-    """Which of ATen's two lerp formulas each weight takes: ``abs(weight) < 0.5`` in float32."""
-    return tuple(bool(abs(_F32(scalars[w])) < _F32(0.5)) for w in weights)
+    """Which of ATen's two lerp formulas each weight takes: ``abs(weight) < 0.5`` in float32
+    (compared on the double, ``_BELOW_HALF_F32``: a NaN is not small, as in float32)."""
+    return tuple([bool(abs(scalars[w]) < _BELOW_HALF_F32) for w in weights])
 
 
 def scalar_env(scalars: dict, weights=()) -> dict:

@@ -106,7 +106,7 @@ logger = logging.getLogger("roundpipe.optim")
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
 INSTALL_HINT = "pip install numba (roundpipe declares it; a wheel, no compiler needed)"
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 8
+GENERATOR_VERSION = 9
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
 # Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
@@ -474,16 +474,30 @@ def _sqrt_passes(cg, program):
 # * ``emulated-avx``/``emulated``/``emulated-fma``: computes, SQRT_LANES lanes at a time (its
 #   ``rsqrtps`` eight (AVX) or four (SSE) lanes wide), the sequence MKL's SSE float32 kernel
 #   (``emulated*``; rounded after each operation) or
-#   its AVX2 kernel (``emulated-fma``) runs (``_sqrtv``), which equals it bit
+#   its AVX2 kernel (``emulated-fma``) runs (``_sqrtv``), or its AVX-512 kernel
+#   (``emulated-avx512``: ``vrsqrt14ps`` and one FMA correction, ``_sqrtv_avx512``), which equals it bit
 #   for bit wherever that sequence applies (x positive, normal, below 0x7f7ff000; zeros are
 #   returned as they are, as sqrt(+-0) is +-0); the other lanes (subnormal, negative, huge,
 #   inf, NaN) and the block's last (fewer than a vector of) elements go to the routine. Used
 #   only where the probe (``sqrt_kind``) finds it equal to torch.sqrt.
-SQRT_KINDS = ("routine", "emulated-avx", "emulated", "emulated-fma")
+SQRT_KINDS = ("routine", "emulated-avx", "emulated", "emulated-fma", "emulated-avx512")
 # the low-precision dtypes of a pairing (masters.py), by name
 _LOW = ("bfloat16", "float16")
 # kind -> its intrinsic (``_sqrtv``), which takes SQRT_LANES roots a call
-_EMULATIONS = {"emulated-avx": "sqrtv_avx", "emulated": "sqrtv_sse", "emulated-fma": "sqrtv_fma"}
+_EMULATIONS = {
+    "emulated-avx": "sqrtv_avx",
+    "emulated": "sqrtv_sse",
+    "emulated-fma": "sqrtv_fma",
+    "emulated-avx512": "sqrtv_avx512",
+}
+# what each needs of the CPU (its rsqrt instruction): LLVM aborts the process, rather than
+# raising, when asked for an instruction the target lacks, so the probe never compiles those
+_EMULATION_FEATURES = {
+    "emulated-avx": "avx",
+    "emulated": "sse",
+    "emulated-fma": "fma",
+    "emulated-avx512": "avx512f",
+}
 SQRT_LANES = 16
 _SQRT_IMPORTS = {"routine": ["call_sqrt_at"], **{k: ["call_sqrt_at", v] for k, v in _EMULATIONS.items()}}
 
@@ -668,6 +682,30 @@ def sqrt_kind() -> str:
     return _kind
 
 
+def _probe_order() -> list:
+    """The emulations this CPU can run, the likeliest match first: MKL runs its AVX-512 kernel
+    on Intel CPUs that have AVX-512, and its SSE/AVX kernels on other vendors' (seen: an AMD EPYC
+    with AVX-512 takes the SSE sequence)."""
+    import llvmlite.binding as llvm
+
+    features = {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
+    kinds = [k for k in SQRT_KINDS[1:] if _EMULATION_FEATURES[k] in features]
+    if "emulated-avx512" in kinds and _cpu_vendor() == "GenuineIntel":
+        kinds.insert(0, kinds.pop(kinds.index("emulated-avx512")))
+    return kinds
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _probe_kind() -> str:
     import platform
 
@@ -681,7 +719,7 @@ def _probe_kind() -> str:
     program = b.build()
     x = _probe_values()
     want = _bits(torch.sqrt(x).numpy())
-    for kind in SQRT_KINDS[1:]:
+    for kind in _probe_order():
         out = torch.empty_like(x)
         try:
             kernel = compile_kernel(program, lerp_variant({}, lerp_weights(program)), frozenset(), kind)
@@ -1190,6 +1228,7 @@ def _make_intrinsics():
             sqrtv_sse=_sqrtv(intrinsic, types, ir, with_fma=False, rsqrt_lanes=4),
             sqrtv_avx=_sqrtv(intrinsic, types, ir, with_fma=False, rsqrt_lanes=8),
             sqrtv_fma=_sqrtv(intrinsic, types, ir, with_fma=True, rsqrt_lanes=8),
+            sqrtv_avx512=_sqrtv_avx512(intrinsic, types, ir),
         )
     return _intrinsics
 
@@ -1379,6 +1418,53 @@ def _sqrtv(intrinsic, types, ir, with_fma: bool, rsqrt_lanes: int):
     return sqrtv
 
 
+def _sqrtv_avx512(intrinsic, types, ir):
+    """``sqrtv(src, dst)``, as MKL's AVX-512 float32 HA kernel (``mkl_vml_kernel_sSqrt_Z0HAynn``,
+    read from libtorch_cpu's code) computes its main path: ``y = vrsqrt14ps(x)``, ``h = y *
+    0.5``, ``s = y * x``, ``r = fma(-s, s, x)``, ``sqrt = fma(r, h, s)``. That path applies to
+    0 < x < inf with ``y <= 2**39`` (MKL rescales smaller x); a lane outside it (and not a
+    zero, returned as it is) makes the call return non-zero, and the caller gives the
+    ``SQRT_LANES`` elements to the routine."""
+    lanes = SQRT_LANES
+
+    @intrinsic
+    def sqrtv(typingctx, src, dst):
+        if not (isinstance(src, types.Integer) and isinstance(dst, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            from numba.core import cgutils
+
+            vf = ir.VectorType(ir.FloatType(), lanes)
+
+            def splat(value):
+                return ir.Constant(vf, [value] * lanes)
+
+            def fn(name, fnty):
+                return cgutils.get_or_insert_function(builder.module, fnty, name)
+
+            x = builder.load(builder.inttoptr(args[0], vf.as_pointer()), align=4)
+            rsqrt14 = fn("llvm.x86.avx512.rsqrt14.ps.512", ir.FunctionType(vf, [vf, vf, ir.IntType(16)]))
+            fma = fn("llvm.fma.v16f32", ir.FunctionType(vf, [vf] * 3))
+            y = builder.call(rsqrt14, [x, splat(0.0), ir.Constant(ir.IntType(16), -1)])
+            h = builder.fmul(y, splat(0.5))
+            s = builder.fmul(y, x)
+            r = builder.call(fma, [builder.fneg(s), s, x])
+            root = builder.call(fma, [r, h, s])
+            zero = builder.fcmp_ordered("==", x, splat(0.0))
+            finite_positive = builder.and_(
+                builder.fcmp_ordered(">", x, splat(0.0)), builder.fcmp_ordered("<", x, splat(float("inf")))
+            )
+            on_path = builder.and_(finite_positive, builder.fcmp_ordered("<=", y, splat(2.0**39)))
+            builder.store(builder.select(zero, x, root), builder.inttoptr(args[1], vf.as_pointer()), align=4)
+            need = builder.not_(builder.or_(on_path, zero))
+            return builder.zext(builder.bitcast(need, ir.IntType(lanes)), ir.IntType(32))
+
+        return types.int32(src, dst), codegen
+
+    return sqrtv
+
+
 _INTRINSICS = (
     "fma",
     "f32ptr",
@@ -1387,6 +1473,7 @@ _INTRINSICS = (
     "sqrtv_sse",
     "sqrtv_avx",
     "sqrtv_fma",
+    "sqrtv_avx512",
     "widen_bfloat16",
     "widen_float16",
     "narrow_bfloat16",

@@ -165,6 +165,26 @@ def test_partners_mode(tmp_path, capsys, monkeypatch, dtype):
         assert row["speedup_fused_vs_composition"] == pytest.approx(ms["composition"] / ms["fused"])
 
 
+def test_option_overrides_a_hyperparameter_for_the_run(tmp_path, capsys, monkeypatch):
+    """--option SGD.momentum=0: plain SGD in the run (its traffic, the header, the JSON), the
+    bench's own options back afterwards; malformed ones are refused."""
+    tiny = bench.Workload("small", "2 tensors", ((3,), (100,)))
+    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    out = tmp_path / "plain.json"
+    argv = "--quick --optimizers SGD --workloads small --partners --option SGD.momentum=0 --repeats 1"
+    assert bench.main([*argv.split(), "--warmup", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "hyperparameters set (the rest are torch's defaults): SGD momentum=0" in text
+    row = json.loads(out.read_text())["workloads"]["small"]["optimizers"]["SGD"]
+    # plain SGD: param read and written, grad read (12 bytes); with partners 2 + 2 instead of 4
+    assert row["bytes_per_element_by_config"] == {"composition": 24, "fused": 12, "torch composition": 24}
+    assert row["options"] == {"momentum": 0} and row["bit_for_bit"] is True
+    assert bench.OPTIONS["SGD"] == {"momentum": 0.9}
+    for bad in ("SGD.momentum", "SGD=0", "Nope.lr=1", "SGD.lr=one"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--option", bad])
+
+
 def test_partners_arguments_and_check(monkeypatch):
     args = cli.parse_args(["--partners"])
     assert args.partners == "bfloat16" and args.workloads == ["large", "small", "transformer"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -91,7 +92,7 @@ def run(args, busy_pids=()) -> dict:
         "repeats": repeats,
         "backends": args.backends,
         "optimizers": args.optimizers,
-        "options": {n: OPTIONS[n] for n in args.optimizers},
+        "options": {n: dict(OPTIONS[n]) for n in args.optimizers},
         "fused_available": fused,
         "partners": partners_dtype,
         "argv": sys.argv[1:],
@@ -210,6 +211,38 @@ def _backends(text: str) -> list[str]:
     return sorted(out, key=lambda b: b != rp_backends.DEFAULT)  # stable: the default first
 
 
+def _option(text: str) -> tuple[str, str, object]:
+    """``NAME.KEY=VALUE`` (``--option``) as ``(NAME, KEY, VALUE)``, VALUE a Python literal."""
+    import ast
+
+    target, sep, value = text.partition("=")
+    name, dot, key = target.partition(".")
+    if not (sep and dot and key):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME.KEY=VALUE")
+    if name not in ALL_OPTIMIZERS:
+        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(ALL_OPTIMIZERS)}")
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{value!r} in {text!r} is not a Python literal") from None
+    return name, key, parsed
+
+
+@contextlib.contextmanager
+def _options(overrides):
+    """``OPTIONS`` with ``--option``'s overrides for the run (the module dict every part reads),
+    then as it was."""
+    saved = {name: dict(OPTIONS[name]) for name, _, _ in overrides}
+    try:
+        for name, key, value in overrides:
+            OPTIONS[name][key] = value
+        yield
+    finally:
+        for name, opts in saved.items():
+            OPTIONS[name].clear()
+            OPTIONS[name].update(opts)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m roundpipe.optim.bench",
@@ -263,6 +296,15 @@ def parse_args(argv=None):
         help="instead: fp32 masters paired with bfloat16 (the default) or float16 partners; time the "
         "default backend's fused step against the composition (widen the grads, step, round back), "
         "and torch's composition, after checking fused equals the composition bit for bit",
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        type=_option,
+        metavar="NAME.KEY=VALUE",
+        help="an optimizer's hyperparameter for this run, over the bench's (e.g. SGD.momentum=0: plain "
+        "SGD; the bench's SGD has momentum 0.9); repeatable",
     )
     p.add_argument(
         "--model",
@@ -323,13 +365,15 @@ def main(argv=None) -> int:
     if args.first_use:
         return main_first_use(args)
     args.load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    with busy(args.busy) as pids:
-        result = run(args, pids)
-    if args.partners:
-        text, doc, failures = partners.report(result), partners.to_json(result), partners.failures_of(result)
-    else:
-        text, doc = report(result, args.backends), to_json(result, args.backends)
-        failures = failures_of(result, args.backends)
+    with _options(args.option):  # the report derives bytes per element from them too
+        with busy(args.busy) as pids:
+            result = run(args, pids)
+        if args.partners:
+            text, doc = partners.report(result), partners.to_json(result)
+            failures = partners.failures_of(result)
+        else:
+            text, doc = report(result, args.backends), to_json(result, args.backends)
+            failures = failures_of(result, args.backends)
     print(text, flush=True)
     if args.json:
         with open(args.json, "w") as f:

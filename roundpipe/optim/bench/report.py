@@ -151,6 +151,12 @@ def header(result: dict, checked: str, legend: str) -> list[str]:
         f"ceiling used: {bw['ceiling_GBps']:.1f} GB/s",
         legend,
     ]
+    chosen = {n: o for n, o in meta.get("options", {}).items() if o}
+    if chosen:
+        out.append(
+            "hyperparameters set (the rest are torch's defaults): "
+            + "; ".join(f"{n} " + ", ".join(f"{k}={v!r}" for k, v in o.items()) for n, o in chosen.items())
+        )
     if meta.get("thread_pools"):
         out.append("thread pools after the run (threadpoolctl): " + "; ".join(meta["thread_pools"]))
     if meta["env"]:
@@ -221,7 +227,7 @@ def to_json(result: dict, backends, row_doc=None) -> dict:
 def row_json(row: Row, name=label) -> dict:
     """A row's options, traffic and samples for the JSON document; ``name``: a config's key."""
     return {
-        "options": OPTIONS[row.optimizer],
+        "options": dict(OPTIONS[row.optimizer]),
         "bytes_per_element": row.bytes_per_element,
         "reads": row.reads,
         "writes": row.writes,

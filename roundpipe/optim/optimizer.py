@@ -31,7 +31,7 @@ from .plan import adopt_flat_state, rollback
 from .plan import build as build_plan
 from .spec.core import Scratch
 
-# 0-d ``step`` entries whose scalars are computed on a Scratch value rather than a tensor clone
+# 0-d state entries whose scalars are computed on Scratch values rather than tensor clones
 _SCRATCH_DTYPES = (torch.float32, torch.float64)
 
 
@@ -116,9 +116,8 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 if not unit.uniform():
                     return None
                 cols = unit.scalar_columns
-                step = cols.get("step")
-                if len(cols) == 1 and step is not None and step[0].dtype in _SCRATCH_DTYPES:
-                    scratch = {"step": Scratch(step[0].item(), step[0].dtype)}
+                if all([c[0].dtype in _SCRATCH_DTYPES for c in cols.values()]):
+                    scratch = {n: Scratch(c[0].item(), c[0].dtype) for n, c in cols.items()}
                 else:
                     scratch = {n: c[0].clone() for n, c in cols.items()}
                 try:

@@ -9,7 +9,7 @@ import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
 from .blocks import gradient
-from .core import OptimizerSpec, to_scalar, value, zeros_like
+from .core import OptimizerSpec, set_value, to_scalar, value, zeros_like
 from .ir import add
 
 
@@ -35,7 +35,7 @@ def scalars(group, state):
     step_t, eta, mu = state["step"], state["eta"], state["mu"]
     step_t += 1
     eta_value = value(eta)
-    mu_value = mu.item()
+    mu_value = value(mu)
     out = {
         "average": mu_value != 1,
         "weight_decay": group["weight_decay"],
@@ -45,8 +45,8 @@ def scalars(group, state):
     }
     # the next step's eta and mu, written after the values above were read (as torch does)
     step = value(step_t)
-    eta.copy_(torch.as_tensor(lr / ((1 + lambd * lr * step) ** alpha)))
-    mu.copy_(torch.as_tensor(1 / max(1, step - t0)))
+    set_value(eta, lr / ((1 + lambd * lr * step) ** alpha))
+    set_value(mu, 1 / max(1, step - t0))
     return out
 
 

@@ -45,7 +45,16 @@ from torch.optim.optimizer import _get_scalar_dtype, _get_value, _to_scalar
 
 from .ir import Program, ProgramBuilder
 
-__all__ = ["OptimizerSpec", "Options", "advance_step", "zero_step", "zeros_like", "value", "to_scalar"]
+__all__ = [
+    "OptimizerSpec",
+    "Options",
+    "advance_step",
+    "zero_step",
+    "zeros_like",
+    "value",
+    "set_value",
+    "to_scalar",
+]
 
 
 class Options(dict):
@@ -98,8 +107,20 @@ def zeros_like(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-value = _get_value
 to_scalar = _to_scalar
+
+
+def value(x) -> float:
+    """A 0-d state entry's value (torch's ``_get_value``; a ``Scratch``'s own)."""
+    return x.value if type(x) is Scratch else _get_value(x)
+
+
+def set_value(t, v: float) -> None:
+    """torch's ``t.copy_(torch.as_tensor(v))`` on a 0-d state entry (ASGD's ``eta``, ``mu``)."""
+    if type(t) is Scratch:
+        t.set(v)
+    else:
+        t.copy_(torch.as_tensor(v))
 
 
 def advance_step(state) -> float:
@@ -112,12 +133,16 @@ def advance_step(state) -> float:
 
 
 class Scratch:
-    """A float 0-d state entry (``step``) while a step computes its scalars: its value as a
-    Python float, rounded to the entry's dtype after an update exactly as torch's in-place op
-    on the 0-d tensor rounds (``step_t += 1`` on float32 is the float32 sum: the double sum of
-    a float32 and 1 is exact, and rounds once). The step plan gives these to ``scalars`` in
-    place of clones of the tensors when ``step`` is the only 0-d state: two tensor ops cost
-    about 10 us, which a step of one small parameter would pay every time."""
+    """A float 0-d state entry (``step``, ASGD's ``eta`` and ``mu``, NAdam's ``mu_product``)
+    while a step computes its scalars: its value as a Python float, rounded to the entry's dtype
+    after an update exactly as torch's in-place op on the 0-d tensor rounds. The step plan gives
+    these to ``scalars`` in place of clones of the tensors: a few tensor ops cost about 10 us,
+    which a step of one small parameter would pay every time. What a spec may do with one:
+    ``+=`` a number (float32: the double sum, rounded once, is the float32 sum of the float32
+    operands, torch's), ``*=`` a Python float (torch casts the scalar to float32 first, then
+    multiplies in float32: the double product of two float32 values is exact, rounded once),
+    ``set_value`` (``copy_(torch.as_tensor(v))``: rounded to the default dtype, then to the
+    entry's) and ``value``."""
 
     __slots__ = ("value", "dtype")
 
@@ -129,6 +154,18 @@ class Scratch:
         v = self.value + other
         self.value = float(np.float32(v)) if self.dtype is torch.float32 else float(v)
         return self
+
+    def __imul__(self, other: float):
+        if self.dtype is torch.float32:
+            self.value = float(np.float32(self.value * float(np.float32(other))))
+        else:
+            self.value = float(self.value * other)
+        return self
+
+    def set(self, v: float) -> None:
+        if torch.get_default_dtype() is torch.float32:
+            v = float(np.float32(v))
+        self.value = float(np.float32(v)) if self.dtype is torch.float32 else float(v)
 
     def __repr__(self):
         return f"Scratch({self.value!r}, {self.dtype})"

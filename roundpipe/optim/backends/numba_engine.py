@@ -106,7 +106,7 @@ logger = logging.getLogger("roundpipe.optim")
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
 INSTALL_HINT = "pip install numba (roundpipe declares it; a wheel, no compiler needed)"
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 9
+GENERATOR_VERSION = 10
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
 # Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
@@ -1340,91 +1340,13 @@ def _conversions(intrinsic, types, ir):
     }
 
 
-def _sqrtv(intrinsic, types, ir, with_fma: bool, rsqrt_lanes: int):
-    """``sqrtv(src, dst)``: the roots of ``SQRT_LANES`` float32 at address ``src`` into ``dst``,
-    as MKL's float32 HA sqrt kernels compute them where their main path applies: ``y =
-    rsqrtps(x)``, ``s = x * y``, ``h = 0.5 * y``, ``e = 0.5 - s * h``, ``s1 = s + s * e``, ``h1
-    = h + e * h``, ``r = x - s1 * s1``, ``sqrt = s1 + r * h1`` (``with_fma``: each ``a +- b *
-    c`` rounded once, as the AVX2 kernel does; else rounded after each operation, as the SSE
-    kernel). ``rsqrtps`` is taken ``rsqrt_lanes`` (4: SSE, 8: AVX) lanes at a time, as MKL's
-    kernel takes it (every lane's estimate is the CPU's table entry, whatever the width); the
-    rest is computed on all ``SQRT_LANES`` at once, which LLVM lowers to the widest vectors the
-    CPU has (one zmm with AVX-512, two ymm with AVX2: measured 2x fewer instructions per root on
-    an AVX-512 EPYC than eight lanes a call). Zeros are returned as they are. Returns non-zero
-    when a lane is outside that path (MKL's own test: ``bits + 0x7f800000 > 0xfefff000`` as
-    int32; zeros excepted): the caller then gives those ``SQRT_LANES`` elements to the routine."""
-    lanes = SQRT_LANES
-
-    @intrinsic
-    def sqrtv(typingctx, src, dst):
-        if not (isinstance(src, types.Integer) and isinstance(dst, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            from numba.core import cgutils
-
-            f32, i32 = ir.FloatType(), ir.IntType(32)
-            vf, vi = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes)
-            vr = ir.VectorType(f32, rsqrt_lanes)
-
-            def splat(ty, value):
-                return ir.Constant(ty, [value] * lanes)
-
-            def indices(values):
-                return ir.Constant(ir.VectorType(i32, len(values)), list(values))
-
-            x = builder.load(builder.inttoptr(args[0], vf.as_pointer()), align=4)
-            off_path = builder.icmp_signed(
-                ">", builder.add(builder.bitcast(x, vi), splat(vi, 0x7F800000)), splat(vi, -16781312)
-            )
-            zero = builder.fcmp_ordered("==", x, splat(vf, 0.0))
-            name = "llvm.x86.sse.rsqrt.ps" if rsqrt_lanes == 4 else "llvm.x86.avx.rsqrt.ps.256"
-            rsqrt = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(vr, [vr]))
-            parts = [
-                builder.call(rsqrt, [builder.shuffle_vector(x, x, indices(range(lo, lo + rsqrt_lanes)))])
-                for lo in range(0, lanes, rsqrt_lanes)
-            ]
-            while len(parts) > 1:  # concatenate pairwise back to ``lanes`` lanes
-                width = 2 * parts[0].type.count
-                parts = [
-                    builder.shuffle_vector(parts[k], parts[k + 1], indices(range(width)))
-                    for k in range(0, len(parts), 2)
-                ]
-            y = parts[0]
-            half = splat(vf, 0.5)
-            s = builder.fmul(x, y)
-            h = builder.fmul(y, half)
-            if with_fma:
-                fnty = ir.FunctionType(vf, [vf] * 3)
-                fma = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{lanes}f32")
-                e = builder.call(fma, [builder.fneg(s), h, half])
-                s1 = builder.call(fma, [s, e, s])
-                h1 = builder.call(fma, [e, h, h])
-                r = builder.call(fma, [builder.fneg(s1), s1, x])
-                root = builder.call(fma, [h1, r, s1])
-            else:
-                e = builder.fsub(half, builder.fmul(s, h))
-                s1 = builder.fadd(builder.fmul(s, e), s)
-                h1 = builder.fadd(builder.fmul(e, h), h)
-                r = builder.fsub(x, builder.fmul(s1, s1))
-                root = builder.fadd(builder.fmul(r, h1), s1)
-            root = builder.select(zero, x, root)
-            builder.store(root, builder.inttoptr(args[1], vf.as_pointer()), align=4)
-            need = builder.and_(off_path, builder.not_(zero))
-            return builder.zext(builder.bitcast(need, ir.IntType(lanes)), i32)
-
-        return types.int32(src, dst), codegen
-
-    return sqrtv
-
-
-def _sqrtv_avx512(intrinsic, types, ir):
-    """``sqrtv(src, dst)``, as MKL's AVX-512 float32 HA kernel (``mkl_vml_kernel_sSqrt_Z0HAynn``,
-    read from libtorch_cpu's code) computes its main path: ``y = vrsqrt14ps(x)``, ``h = y *
-    0.5``, ``s = y * x``, ``r = fma(-s, s, x)``, ``sqrt = fma(r, h, s)``. That path applies to
-    0 < x < inf with ``y <= 2**39`` (MKL rescales smaller x); a lane outside it (and not a
-    zero, returned as it is) makes the call return non-zero, and the caller gives the
-    ``SQRT_LANES`` elements to the routine."""
+def _sqrt_intrinsic(intrinsic, types, ir, body):
+    """An emulation's intrinsic ``sqrtv(src, dst)``: loads the ``SQRT_LANES`` float32 at address
+    ``src``; ``body(builder, x, splat, fma)`` (``splat(ty, value)``: a constant vector; ``fma``:
+    ``llvm.fma`` on such vectors) returns the roots MKL's kernel computes on its main path and
+    the lanes that path applies to; stores the roots (zeros returned as they are, as
+    ``sqrt(+-0)`` is ``+-0``) at ``dst``. Returns non-zero when a lane is neither on the path nor
+    zero: the caller then gives the ``SQRT_LANES`` elements to the routine."""
     lanes = SQRT_LANES
 
     @intrinsic
@@ -1437,25 +1359,15 @@ def _sqrtv_avx512(intrinsic, types, ir):
 
             vf = ir.VectorType(ir.FloatType(), lanes)
 
-            def splat(value):
-                return ir.Constant(vf, [value] * lanes)
+            def splat(ty, value):
+                return ir.Constant(ty, [value] * lanes)
 
-            def fn(name, fnty):
-                return cgutils.get_or_insert_function(builder.module, fnty, name)
-
-            x = builder.load(builder.inttoptr(args[0], vf.as_pointer()), align=4)
-            rsqrt14 = fn("llvm.x86.avx512.rsqrt14.ps.512", ir.FunctionType(vf, [vf, vf, ir.IntType(16)]))
-            fma = fn("llvm.fma.v16f32", ir.FunctionType(vf, [vf] * 3))
-            y = builder.call(rsqrt14, [x, splat(0.0), ir.Constant(ir.IntType(16), -1)])
-            h = builder.fmul(y, splat(0.5))
-            s = builder.fmul(y, x)
-            r = builder.call(fma, [builder.fneg(s), s, x])
-            root = builder.call(fma, [r, h, s])
-            zero = builder.fcmp_ordered("==", x, splat(0.0))
-            finite_positive = builder.and_(
-                builder.fcmp_ordered(">", x, splat(0.0)), builder.fcmp_ordered("<", x, splat(float("inf")))
+            fma_fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32"
             )
-            on_path = builder.and_(finite_positive, builder.fcmp_ordered("<=", y, splat(2.0**39)))
+            x = builder.load(builder.inttoptr(args[0], vf.as_pointer()), align=4)
+            root, on_path = body(builder, x, splat, lambda a, b, c: builder.call(fma_fn, [a, b, c]))
+            zero = builder.fcmp_ordered("==", x, splat(vf, 0.0))
             builder.store(builder.select(zero, x, root), builder.inttoptr(args[1], vf.as_pointer()), align=4)
             need = builder.not_(builder.or_(on_path, zero))
             return builder.zext(builder.bitcast(need, ir.IntType(lanes)), ir.IntType(32))
@@ -1463,6 +1375,84 @@ def _sqrtv_avx512(intrinsic, types, ir):
         return types.int32(src, dst), codegen
 
     return sqrtv
+
+
+def _sqrtv(intrinsic, types, ir, with_fma: bool, rsqrt_lanes: int):
+    """MKL's float32 HA sqrt kernels' main path: ``y = rsqrtps(x)``, ``s = x * y``, ``h = 0.5 *
+    y``, ``e = 0.5 - s * h``, ``s1 = s + s * e``, ``h1 = h + e * h``, ``r = x - s1 * s1``, ``sqrt =
+    s1 + r * h1`` (``with_fma``: each ``a +- b * c`` rounded once, as the AVX2 kernel does; else
+    rounded after each operation, as the SSE kernel), on positive normal x below 0x7f7ff000
+    (MKL's own test: ``bits + 0x7f800000 > 0xfefff000`` as int32 is off it). ``rsqrtps`` is
+    taken ``rsqrt_lanes`` (4: SSE, 8: AVX) lanes at a time, as MKL's kernel takes it (every
+    lane's estimate is the CPU's table entry, whatever the width); the rest is computed on all
+    ``SQRT_LANES`` at once, which LLVM lowers to the widest vectors the CPU has (one zmm with
+    AVX-512, two ymm with AVX2: measured 2x fewer instructions per root on an AVX-512 EPYC than
+    eight lanes a call)."""
+
+    def body(builder, x, splat, fma):
+        lanes = SQRT_LANES
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        vf, vi, vr = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes), ir.VectorType(f32, rsqrt_lanes)
+
+        def indices(values):
+            return ir.Constant(ir.VectorType(i32, len(values)), list(values))
+
+        off_path = builder.icmp_signed(
+            ">", builder.add(builder.bitcast(x, vi), splat(vi, 0x7F800000)), splat(vi, -16781312)
+        )
+        name = "llvm.x86.sse.rsqrt.ps" if rsqrt_lanes == 4 else "llvm.x86.avx.rsqrt.ps.256"
+        rsqrt = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(vr, [vr]))
+        parts = [
+            builder.call(rsqrt, [builder.shuffle_vector(x, x, indices(range(lo, lo + rsqrt_lanes)))])
+            for lo in range(0, lanes, rsqrt_lanes)
+        ]
+        while len(parts) > 1:  # concatenate pairwise back to ``lanes`` lanes
+            width = 2 * parts[0].type.count
+            parts = [
+                builder.shuffle_vector(parts[k], parts[k + 1], indices(range(width)))
+                for k in range(0, len(parts), 2)
+            ]
+        y = parts[0]
+        half = splat(vf, 0.5)
+        s = builder.fmul(x, y)
+        h = builder.fmul(y, half)
+        if with_fma:
+            e = fma(builder.fneg(s), h, half)
+            s1 = fma(s, e, s)
+            h1 = fma(e, h, h)
+            r = fma(builder.fneg(s1), s1, x)
+            root = fma(h1, r, s1)
+        else:
+            e = builder.fsub(half, builder.fmul(s, h))
+            s1 = builder.fadd(builder.fmul(s, e), s)
+            h1 = builder.fadd(builder.fmul(e, h), h)
+            r = builder.fsub(x, builder.fmul(s1, s1))
+            root = builder.fadd(builder.fmul(r, h1), s1)
+        return root, builder.not_(off_path)
+
+    return _sqrt_intrinsic(intrinsic, types, ir, body)
+
+
+def _sqrtv_avx512(intrinsic, types, ir):
+    """MKL's AVX-512 float32 HA kernel's main path (``mkl_vml_kernel_sSqrt_Z0HAynn``, read from
+    libtorch_cpu's code): ``y = vrsqrt14ps(x)``, ``h = y * 0.5``, ``s = y * x``, ``r = fma(-s, s,
+    x)``, ``sqrt = fma(r, h, s)``, on 0 < x < inf with ``y <= 2**39`` (MKL rescales smaller x)."""
+
+    def body(builder, x, splat, fma):
+        vf = x.type
+        fnty = ir.FunctionType(vf, [vf, vf, ir.IntType(16)])
+        rsqrt14 = builder.module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.512", fnty=fnty)
+        y = builder.call(rsqrt14, [x, splat(vf, 0.0), ir.Constant(ir.IntType(16), -1)])
+        h = builder.fmul(y, splat(vf, 0.5))
+        s = builder.fmul(y, x)
+        root = fma(fma(builder.fneg(s), s, x), h, s)
+        positive_finite = builder.and_(
+            builder.fcmp_ordered(">", x, splat(vf, 0.0)),
+            builder.fcmp_ordered("<", x, splat(vf, float("inf"))),
+        )
+        return root, builder.and_(positive_finite, builder.fcmp_ordered("<=", y, splat(vf, 2.0**39)))
+
+    return _sqrt_intrinsic(intrinsic, types, ir, body)
 
 
 _INTRINSICS = (

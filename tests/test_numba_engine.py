@@ -461,6 +461,20 @@ def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+def test_probe_order_follows_numba_target(monkeypatch):
+    """The sqrt probe compiles only emulations whose instructions numba's target has (LLVM
+    aborts the process on one it lacks): the host's, or those NUMBA_CPU_FEATURES lists when
+    NUMBA_CPU_NAME names another target."""
+    monkeypatch.setattr(numba.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", None)
+    assert numba_engine._probe_order() == []
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+sse2,+avx,-avx512f")
+    assert numba_engine._probe_order() == ["emulated-avx", "emulated"]
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+avx,+fma,+avx512f")
+    monkeypatch.setattr(numba_engine, "_cpu_vendor", lambda: "GenuineIntel")
+    assert numba_engine._probe_order() == ["emulated-avx512", "emulated-avx", "emulated", "emulated-fma"]
+
+
 def test_kernel_types_are_float32():
     prog = _every_function_program()
     k = _engine().kernel(prog, (True,))

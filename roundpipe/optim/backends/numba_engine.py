@@ -683,12 +683,19 @@ def sqrt_kind() -> str:
 
 
 def _probe_order() -> list:
-    """The emulations this CPU can run, the likeliest match first: MKL runs its AVX-512 kernel
-    on Intel CPUs that have AVX-512, and its SSE/AVX kernels on other vendors' (seen: an AMD EPYC
-    with AVX-512 takes the SSE sequence)."""
+    """The emulations numba's target can run, the likeliest match first: MKL runs its AVX-512
+    kernel on Intel CPUs that have AVX-512, and its SSE/AVX kernels on other vendors' (seen: an
+    AMD EPYC with AVX-512 takes the SSE sequence). The target is this CPU unless
+    ``NUMBA_CPU_NAME`` names another (e.g. ``generic``, for caches shared between machines):
+    then only the features ``NUMBA_CPU_FEATURES`` lists."""
     import llvmlite.binding as llvm
 
-    features = {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
+    numba = import_numba()
+    if numba.config.CPU_NAME and numba.config.CPU_NAME != "host":
+        listed = numba.config.CPU_FEATURES or ""
+    else:
+        listed = llvm.get_host_cpu_features().flatten()
+    features = {f[1:] for f in listed.split(",") if f.startswith("+")}
     kinds = [k for k in SQRT_KINDS[1:] if _EMULATION_FEATURES[k] in features]
     if "emulated-avx512" in kinds and _cpu_vendor() == "GenuineIntel":
         kinds.insert(0, kinds.pop(kinds.index("emulated-avx512")))

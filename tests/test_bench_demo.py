@@ -180,7 +180,7 @@ def test_option_overrides_a_hyperparameter_for_the_run(tmp_path, capsys, monkeyp
     assert row["bytes_per_element_by_config"] == {"composition": 24, "fused": 12, "torch composition": 24}
     assert row["options"] == {"momentum": 0} and row["bit_for_bit"] is True
     assert bench.OPTIONS["SGD"] == {"momentum": 0.9}
-    for bad in ("SGD.momentum", "SGD=0", "Nope.lr=1", "SGD.lr=one"):
+    for bad in ("SGD.momentum", "SGD=0", "Nope.lr=1", "SGD.lr=one", "SGD.momentun=0"):
         with pytest.raises(SystemExit):
             cli.parse_args(["--option", bad])
 

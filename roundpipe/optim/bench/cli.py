@@ -221,6 +221,13 @@ def _option(text: str) -> tuple[str, str, object]:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME.KEY=VALUE")
     if name not in ALL_OPTIMIZERS:
         raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(ALL_OPTIMIZERS)}")
+    import inspect
+
+    known = [
+        k for k in inspect.signature(getattr(rp_optim, name)).parameters if k not in ("params", "backend")
+    ]
+    if key not in known:
+        raise argparse.ArgumentTypeError(f"{name} has no hyperparameter {key!r}; it has {', '.join(known)}")
     try:
         parsed = ast.literal_eval(value)
     except (ValueError, SyntaxError):

@@ -152,6 +152,8 @@ def _install(monkeypatch, backend, phase, fault):
     if phase in ("launch 1", "launch 2"):
         be = backends.get(backend)  # the fresh object the optimizer will use
         monkeypatch.setattr(be, "prepare", fault.wrap(be.prepare))
+        if hasattr(be, "rebind"):  # what a step on an unchanged plan calls instead of prepare
+            monkeypatch.setattr(be, "rebind", fault.wrap(be.rebind))
     elif phase == "numba codegen":
         monkeypatch.setattr(numba_engine, "_compile", fault.wrap(numba_engine._compile))
     elif phase == "numba jit":

@@ -484,9 +484,10 @@ def test_kernel_types_are_float32():
         k.run(t, numexpr_engine.scalar_env(sc, numexpr_engine.lerp_weights(prog)), nthreads=nthreads)
     for dispatcher in k.dispatchers:
         for sig in dispatcher.signatures:
-            sv = sig[5]
+            sv = sig[3]
             assert sv.dtype == numba.float32 and sv.ndim == 2, sig
-            assert sig[3].dtype == numba.int64, sig  # the addresses
+            assert sig[2].dtype == numba.int64, sig  # the addresses
+            assert sig[1].dtype == numba.int64 and sig[1].ndim == 1, sig  # meta (pack_layout)
 
 
 def test_work_is_split_evenly_and_small_steps_run_serially(monkeypatch):
@@ -554,6 +555,69 @@ def test_threads_follow_roundpipe_setting_and_results_do_not_change(order, monke
     roundpipe.optim.set_num_threads(None)
     assert set(out) == {1, 2}
     assert_bits_equal(out[1], out[2], "1 thread vs 2 threads")
+
+
+def test_a_step_on_an_unchanged_plan_repeats_the_launch_and_sees_every_change(monkeypatch):
+    """From the third step on (the first builds the plan, the second rebuilds it once the state
+    exists), a step whose plan still holds rebinds the last launch (new scalars and gradient
+    addresses) instead of preparing it anew; a new learning rate, new gradient tensors, a
+    parameter moved by ``.data =``, another thread count and another engine are all seen, and
+    every step is bit for bit torch's for-loop."""
+    monkeypatch.setattr(roundpipe.optim.threads, "_num_threads", None)
+    be = backends.get("fast")
+    calls = {"prepare": 0, "rebind": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(be, "prepare", counted("prepare", be.prepare))
+    monkeypatch.setattr(be, "rebind", counted("rebind", be.rebind))
+    g = torch.Generator().manual_seed(5)
+    n = 3 * numba_engine.PARALLEL_MIN_NUMEL  # two threads where two are set
+    base = torch.randn(n, generator=g)
+    p, q = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
+    ours = roundpipe.optim.Adam([p], lr=0.01, backend="fast")
+    theirs = torch.optim.Adam([q], lr=0.01, foreach=False)
+
+    def step(expect_prepare, expect_rebind):
+        grad = torch.randn(n, generator=g)
+        p.grad, q.grad = grad.clone(), grad.clone()  # new tensors, new addresses, every step
+        before = dict(calls)
+        ours.step()
+        theirs.step()
+        assert_bits(p, q, f"after {calls}")
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert_bits(ours.state[p][k], theirs.state[q][k], k)
+        assert calls["prepare"] - before["prepare"] == expect_prepare, calls
+        assert calls["rebind"] - before["rebind"] == expect_rebind, calls
+
+    roundpipe.optim.set_num_threads(1)
+    step(1, 0)  # builds the plan (and the state)
+    step(1, 0)  # rebuilds it: the state now exists
+    step(0, 1)  # the launch repeated
+    for opt in (ours, theirs):
+        opt.param_groups[0]["lr"] = 0.003
+    step(0, 1)  # a new learning rate is a new scalar
+    p.data = p.data.clone()  # moved: the plan is checked again and rebuilt
+    step(1, 0)
+    step(0, 1)
+    if numba.config.NUMBA_NUM_THREADS >= 2:
+        roundpipe.optim.set_num_threads(2)  # another thread count: another kernel
+        step(1, 1)
+        step(0, 1)
+    roundpipe.optim.set_num_threads(1)
+    monkeypatch.setenv(fast.ENGINE_ENV_VAR, "torch")  # another engine: prepared anew, each step
+    step(1, 1)
+    step(1, 1)
+    monkeypatch.delenv(fast.ENGINE_ENV_VAR)
+    # (the numba engine's last launch is rebound if it ran on one thread, else prepared anew)
+    step(0 if numba.config.NUMBA_NUM_THREADS < 2 else 1, 1)
+    step(0, 1)
+    roundpipe.optim.set_num_threads(None)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

@@ -167,18 +167,32 @@ class Unit:
 
     # No reference back to the GroupPlan: a plan holds no reference cycle, so a replaced plan
     # is freed at once (its views of the flat buffers would otherwise skew ``scalar_uses``).
-    __slots__ = ("positions", "flags", "pairing", "scalar_columns", "scalar_flat", "scalar_uses", "columns")
+    __slots__ = (
+        "positions",
+        "alone",
+        "whole",
+        "flags",
+        "pairing",
+        "scalar_columns",
+        "scalar_flat",
+        "scalar_uses",
+        "columns",
+    )
 
     def __init__(self, group_plan, positions, flags, pairing=NO_PAIRING):
         self.positions = positions  # indices into group_plan.params
+        # (plain bools in the unit's own slots: a step reads these instead of the lists)
+        self.alone = len(positions) < 2  # one member: uniform by definition
+        self.whole = len(positions) == len(group_plan.params)  # every stepped one of its group
         self.flags = flags
         # (the gradients' dtype, the partners' dtype or None): one kind of pairing per unit
         self.pairing = pairing
         states = [group_plan.states[i] for i in positions]
         self.scalar_columns = {n: [st[n] for st in states] for n in group_plan.scalar_names}
         # 0-d state born in one buffer (adopt_flat_state) is checked and written in one op each
+        # (one member's is written as itself: nothing to gain, and no storage to watch)
         self.scalar_flat = {
-            n: contiguous_run(c) if _storage_use_count is not None else None
+            n: contiguous_run(c) if _storage_use_count is not None and len(c) > 1 else None
             for n, c in self.scalar_columns.items()
         }
         # how many tensors share each flat buffer's storage, as the last write left it (None:
@@ -195,6 +209,8 @@ class Unit:
     def uniform(self) -> bool:
         """Whether the members' 0-d state (``step``, ...) still holds one value per name, in
         the storage the plan writes."""
+        if self.alone:  # (its 0-d state is written as itself: see scalar_flat)
+            return True
         for n, uses in self.scalar_uses.items():
             if uses is not None and _uses(self.scalar_flat[n]) != uses:
                 return False
@@ -245,6 +261,8 @@ class GroupPlan:
         "n_params",
         "options",
         "indices",
+        "n_stepped",
+        "simple",
         "params",
         "states",
         "inputs",
@@ -254,7 +272,7 @@ class GroupPlan:
         "dtypes",
         "ptrs",
         "tensors",
-        "state_keys",
+        "tensor_names",
         "state_tensors",
         "ptr_tensors",
         "plain",
@@ -273,10 +291,13 @@ class GroupPlan:
         self.gi = gi
         self.group = group
         self.params_list = group["params"]
-        self.params_items = list(self.params_list)  # an element replaced in place is seen
         self.n_params = len(self.params_list)
+        # the group's parameters as they were (an element replaced in place is seen): the
+        # stepped ones' list when that is all of them (one list less for a step to read)
+        self.params_items = params if len(params) == self.n_params else list(self.params_list)
         self.options = options
         self.indices = indices
+        self.n_stepped = len(indices)
         self.params = params
         self.states = states
         o = Options(options)
@@ -287,10 +308,12 @@ class GroupPlan:
         self.dtypes = [p.dtype for p in params]
         self.plain = not any(is_dtensor(p) for p in params)
         self.complex = [i for i, p in enumerate(params) if p.is_complex()]
+        self.simple = self.plain and not self.complex  # the gradients are the launch's column
         # every state tensor the step reads or writes, by name, for the identity check
         self.tensors = {n: [st[n] for st in states] for n in (*self.inputs, *self.scalar_names)}
-        # the same, flat, for the per-step identity check: (state dict, name) -> the tensor
-        self.state_keys = [(st, n) for n in self.tensors for st in states]
+        # the same, flat, for the per-step identity check (``st[n] for n in tensor_names for st
+        # in states``: no per-entry objects, which a step of one parameter would find out of cache)
+        self.tensor_names = tuple(self.tensors)
         self.state_tensors = [t for col in self.tensors.values() for t in col]
         # where the parameters' and the input state tensors' storage is (``.data =`` or
         # ``.set_()`` moves it under the same object), in one list
@@ -383,8 +406,8 @@ class GroupPlan:
 
     def grad_columns(self, grads, unit):
         """The unit's real float32 local gradient tensors."""
-        if self.plain and not self.complex:
-            if len(unit.positions) == len(grads):
+        if self.simple:
+            if unit.whole:
                 return Checked(grads)
             return Checked([grads[i] for i in unit.positions])
         return Checked([real(grads[i]) for i in unit.positions])
@@ -446,15 +469,28 @@ def uniform_column(col) -> bool:
 class StepPlan:
     """The plan of one optimizer (see the module docstring)."""
 
+    __slots__ = (
+        "param_groups",
+        "n_groups",
+        "state",
+        "state_dicts",
+        "pairings",
+        "groups",
+        "cache",
+        "one_shot",
+        "steady",
+    )
+
     def __init__(self, opt, groups):
         self.param_groups = opt.param_groups
         self.n_groups = len(opt.param_groups)
         self.state = opt.state
-        self.state_ids = list(map(id, opt.state.values()))
+        self.state_dicts = list(opt.state.values())
         self.pairings = masters.generation()  # pair()/unpair() since: rebuild
         self.groups = groups
         self.cache: dict = {}  # launch key -> (static columns, backend cache)
         self.one_shot = False
+        self.steady = None  # what the next step may repeat (optimizer._Steady)
 
     def check(self, opt, spec):
         """This step's gradients per group, or None if the plan no longer holds."""
@@ -462,7 +498,10 @@ class StepPlan:
             return None
         if opt.param_groups is not self.param_groups or len(opt.param_groups) != self.n_groups:
             return None
-        if opt.state is not self.state or list(map(id, opt.state.values())) != self.state_ids:
+        state = opt.state
+        if state is not self.state or len(state) != len(self.state_dicts):
+            return None
+        if not all(map(operator.is_, state.values(), self.state_dicts)):
             return None
         if masters.generation() != self.pairings:
             return None
@@ -473,12 +512,12 @@ class StepPlan:
                 return None
             if len(gp.params_list) != gp.n_params or spec.options(group) != gp.options:
                 return None
-            if len(gp.indices) != gp.n_params and gp.stepped() != len(gp.indices):
+            if gp.n_stepped != gp.n_params and gp.stepped() != gp.n_stepped:
                 return None
             grads = gp.grads() if gp.params else []
             if grads is None or not all(map(is_, gp.params_list, gp.params_items)):
                 return None
-            if not all(map(is_, [st.get(n) for st, n in gp.state_keys], gp.state_tensors)):
+            if not all(map(is_, [st.get(n) for n in gp.tensor_names for st in gp.states], gp.state_tensors)):
                 return None
             if _ptrs(gp.ptr_tensors, gp.plain) != gp.ptrs:
                 return None

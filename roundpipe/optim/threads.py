@@ -26,6 +26,23 @@ ENV_VAR = "ROUNDPIPE_OPTIM_NUM_THREADS"
 # process-wide (the user's setting): one int, replaced whole, read once per step
 _num_threads: int | None = None
 
+# os.environ's own dict and key encoding: ``getenv`` reads a variable a step reads every time in
+# 25 ns, where ``os.environ.get`` takes 0.5 us (it encodes the key and decodes the value anew)
+_environ_data = getattr(os.environ, "_data", None)
+_env_keys: dict = {}
+
+
+def getenv(name: str) -> str | None:
+    """``os.environ.get(name)``, cheaper (the settings a step reads are read every step, so
+    that a change between steps takes effect at the next one)."""
+    if _environ_data is None:
+        return os.environ.get(name)
+    key = _env_keys.get(name)
+    if key is None:
+        key = _env_keys[name] = os.environ.encodekey(name)
+    raw = _environ_data.get(key)
+    return None if raw is None else os.environ.decodevalue(raw)
+
 
 def set_num_threads(n: int | None) -> None:
     """Use ``n`` threads in optimizer steps; ``None`` goes back to the default."""
@@ -39,7 +56,7 @@ def get_num_threads() -> int:
     """Threads an optimizer step uses: set_num_threads(), else the environment, else torch's."""
     if _num_threads is not None:
         return _num_threads
-    env = os.environ.get(ENV_VAR)
+    env = getenv(ENV_VAR)
     if env:
         try:
             n = int(env)

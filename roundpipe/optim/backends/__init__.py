@@ -27,7 +27,10 @@ widened to float32). Each column holds one dtype. A backend that does not fuse t
 ``composed``: widen, the program, round back.
 ``prepare`` checks the settings it reads (environment variables) itself, every step: a
 step on an unchanged plan does not call ``check_settings``. ``run(...)`` is ``prepare(...)()``,
-for tools and tests.
+for tools and tests. Optional, for a step that repeats the last one's launches
+(``optimizer._Steady``): ``steady(program, cache)`` (after ``prepare``: a handle, or None) and
+``rebind(handle, scalars, grads)`` (the launch with this step's scalars, a dict, and gradient
+column; or None, and ``prepare`` runs), which checks the settings as ``prepare`` does.
 
 The names (``backend=``, or ``ROUNDPIPE_OPTIM_BACKEND``; the default is ``"fast"``):
 

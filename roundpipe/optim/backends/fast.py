@@ -33,7 +33,6 @@ once); the engine choice and the fallback record are written under ``self._lock`
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import warnings
 
@@ -54,12 +53,13 @@ FALLBACK_ENGINE = "torch"
 # Parameters with fewer elements than this are batched into flat buffers (torch and numexpr
 # engines; the step plan creates their state in flat buffers for every engine).
 SMALL_NUMEL = 1 << 16
+_NO_CACHE: dict = {}
 
 
 def engine_setting(engine: str | None = None) -> tuple[str, bool]:
     """``(engine, chosen)``: the engine to run, and whether the user chose it (by name or by
     ``ROUNDPIPE_OPTIM_ENGINE``; a chosen ``numba`` never falls back)."""
-    name = engine or os.environ.get(ENGINE_ENV_VAR)
+    name = engine or threads.getenv(ENGINE_ENV_VAR)
     if not name:
         return DEFAULT_ENGINE, False
     if name not in ENGINES:
@@ -221,6 +221,18 @@ class FastBackend:
             columns,
             cache.setdefault(engine, {}),
         )
+
+    def steady(self, program, cache):
+        """What ``rebind`` needs to repeat the launch ``prepare`` just returned for this call
+        site (``cache``), or None (the numba engine only: the others are not worth it)."""
+        return cache.get("numba", _NO_CACHE).get("steady")
+
+    def rebind(self, steady, scalars, grads):
+        """The launch of ``steady`` (from ``steady``) with new scalars (a dict) and gradients,
+        everything else as it was; or None (``prepare`` then runs)."""
+        if engine_setting(self._engine)[0] != "numba":
+            return None
+        return steady.rebind_grads(self._numba, scalars, grads)
 
     def run(self, program, scalars, columns, cache=None):
         """``prepare`` then launch (for tools and tests)."""

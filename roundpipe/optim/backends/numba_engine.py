@@ -7,7 +7,7 @@ addresses:
 
 .. code-block:: python
 
-    def kernel_parallel(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn):
+    def kernel_parallel(nthreads, meta, ptrs, sv, sqrt_fn):
         for w in prange(nthreads):                 # ONE parallel region per step
             for it in range(bounds[w], bounds[w + 1]):  # this thread's slices of the tensors
                 j, lo, hi = items[it, 0], items[it, 1], items[it, 2]
@@ -53,6 +53,10 @@ Rounding is torch's float32 rounding, bit for bit (torch.optim's for-loop, ``for
   does not vectorize the loops (measured: AdamW 3x slower);
 * ``error_model="numpy"``: ``x / 0`` is IEEE (inf or NaN), not ``ZeroDivisionError``.
 
+``bounds``, ``items`` and ``bucket`` (which row of ``sv`` each parameter reads) travel in one
+int64 array, ``meta`` (``pack_layout``): each array argument costs its own unboxing, and a step
+of one small parameter finds each of them out of cache.
+
 Compiled kernels are cached on disk between processes: the generated source is written to
 ``<cache>/numba/<module>.py`` (``<cache>`` is ``$ROUNDPIPE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/roundpipe``, else ``~/.cache/roundpipe``), the module name a hash of the
@@ -81,6 +85,7 @@ Everything that can fail (numba's import, code generation, compilation, the tabl
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -91,7 +96,7 @@ import tempfile
 import threading
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -257,12 +262,13 @@ def generate(
     scalars = tuple(sorted(cg.scalars))
     const_names = tuple(sorted(cg.consts))
     i4, i5, i6 = " " * 12, " " * 16, " " * 20
-    setup = [
-        f"{i4}j = items[it, 0]",
-        f"{i4}b = bucket[j]",
+    setup = [  # (pack_layout: items from meta[0], bucket from meta[1], bounds from meta[2])
+        f"{i4}k = meta[0] + 3 * it",
+        f"{i4}j = meta[k]",
+        f"{i4}b = meta[meta[1] + j]",
         *(f"{i4}{name} = sv[b, {k}]" for k, name in enumerate((*scalars, *const_names))),
-        f"{i4}lo = items[it, 1]",
-        f"{i4}m = items[it, 2] - lo",
+        f"{i4}lo = meta[k + 1]",
+        f"{i4}m = meta[k + 2] - lo",
         # the slice's own pointer and a loop from 0: numba then knows no index is negative
         # (no wraparound code), and LLVM vectorizes the loop (7x faster than range(lo, hi))
     ]
@@ -363,10 +369,10 @@ def generate(
 
     def kernel(name, loop):
         return [
-            f"def {name}(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn):",
+            f"def {name}(nthreads, meta, ptrs, sv, sqrt_fn):",
             f"    for w in {loop}(nthreads):",
             *scratch,
-            "        for it in range(bounds[w], bounds[w + 1]):",
+            "        for it in range(meta[2 + w], meta[3 + w]):",
             *setup,
             *inner,
             "",
@@ -824,6 +830,26 @@ class NumbaKernel:
     cached_on_disk: bool
     parallel: object  # numba dispatcher of kernel_parallel
     serial: object  # numba dispatcher of kernel_serial
+    _row_layout: tuple | None = field(default=None, repr=False, compare=False)
+
+    def row_layout(self, weights) -> tuple:
+        """``(names, complements)``: where each scalar of a row of ``sv`` comes from, by the
+        scalar's name (None for a lerp complement), and each lerp complement ``w - 1`` (in
+        float32) by ``(position, weight)``; the constants after them stay as they are. Computed
+        once per kernel (``weights`` are its program's) and shared by every launch of it."""
+        if self._row_layout is None:
+            names, complements = [], []
+            for pos, var in enumerate(self.source.scalars):
+                weight = next((w for w in weights if var == lerp_complement_var(w)), None)
+                if weight is not None:
+                    complements.append((pos, weight))
+                    names.append(None)
+                else:
+                    name = var.removeprefix("s_")
+                    assert var == scalar_var(name)
+                    names.append(name)
+            self._row_layout = (tuple(names), tuple(complements))
+        return self._row_layout
 
     def run(self, tensors: dict, env: dict, nthreads: int = 1, sqrt_fn: int | None = None):
         """Run once on one set of same-shaped real float32 tensors (name -> tensor) with the
@@ -833,10 +859,11 @@ class NumbaKernel:
         for r, name in enumerate(self.source.tensors):
             table.update(r, [tensors[name]])
         sv = np.asarray([self.sv_row(env)], dtype=np.float32)
-        bounds, items = partition(table.sizes, nthreads)
+        meta = pack_layout(*partition(table.sizes, nthreads), np.zeros(1, np.int64))
         kernel = self.serial if nthreads == 1 else self.parallel
         fn = torch_sqrt()[0] if sqrt_fn is None else sqrt_fn
-        kernel(nthreads, bounds, items, table.ptrs, np.zeros(1, np.int64), sv, fn)
+        with _keep_torch_threads():  # (a first parallel call starts numba's pool)
+            kernel(nthreads, meta, table.ptrs, sv, fn)
 
     def sv_row(self, env: dict) -> list:
         """One row of ``sv``: the scalars (from scalar_env()) then the constants."""
@@ -847,7 +874,7 @@ class NumbaKernel:
         call with the launch's argument types runs no iteration."""
         dispatcher = self.parallel if parallel else self.serial
         if not dispatcher.signatures:
-            dispatcher(1, _EMPTY_BOUNDS, _EMPTY_ITEMS, ptrs, np.zeros(1, np.int64), sv, 0)
+            dispatcher(1, _EMPTY_META, ptrs, sv, 0)
         return dispatcher
 
     @property
@@ -855,8 +882,18 @@ class NumbaKernel:
         return (self.parallel, self.serial)
 
 
-_EMPTY_BOUNDS = np.zeros(2, dtype=np.int64)
-_EMPTY_ITEMS = np.zeros((0, 3), dtype=np.int64)
+def pack_layout(bounds, items, bucket) -> np.ndarray:
+    """A launch's ``meta``: ``[items offset, bucket offset, *bounds, *items (3 per item),
+    *bucket]`` in one int64 array (see ``partition`` for ``bounds`` and ``items``)."""
+    head = 2 + len(bounds)
+    return np.concatenate(
+        [np.asarray([head, head + items.size], dtype=np.int64), bounds, items.reshape(-1), bucket]
+    ).astype(np.int64, copy=False)
+
+
+_EMPTY_META = pack_layout(
+    np.zeros(2, dtype=np.int64), np.zeros((0, 3), dtype=np.int64), np.zeros(1, np.int64)
+)
 
 
 def partition(sizes, nthreads: int):
@@ -996,13 +1033,19 @@ class NumbaEngine:
                     hit = ready[(variant, nthreads > 1)] = (kernel, dispatcher)
             except Exception as err:  # not KeyboardInterrupt: that propagates as itself
                 raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
-            bounds, items = table.partition(nthreads, bucket)
-            calls.append((hit[1], bounds, items, bucket, sv))
+            calls.append((hit[1], table.layout(nthreads, bucket), sv))
         launch = _launcher(self._numba, nthreads, calls, table, self.sqrt_fn)
         if len(calls) == 1 and type(scalars) is dict:
             # the next step with the same program, lerp variant, threads and tensors (all but
             # the gradients) only writes its scalars into this row and its gradients' addresses
-            cache["steady"] = _Steady(program, weights, variant, nthreads, table, hit[0], calls[0][4], launch)
+            if nthreads == 1:  # the serial kernel's call itself (its gradient row is refreshed)
+                dispatcher, meta, sv = calls[0]
+                quick = functools.partial(dispatcher, 1, meta, table.ptrs, sv, self.sqrt_fn)
+            else:
+                quick = launch
+            cache["steady"] = _Steady(
+                program, weights, variant, nthreads, table, hit[0], calls[0][2], launch, quick
+            )
         else:
             cache.pop("steady", None)
         return launch
@@ -1033,17 +1076,28 @@ class NumbaEngine:
 
 def _launcher(numba, nthreads, calls, table, sqrt_fn):
     ptrs = table.ptrs
+    release = table.release_volatile
+    if nthreads == 1:
+        # the serial kernels: numba's pool (and with it the OpenMP thread count) is not touched
+        def launch():
+            try:
+                for dispatcher, meta, sv in calls:
+                    dispatcher(1, meta, ptrs, sv, sqrt_fn)
+            finally:
+                release()
+
+        return launch
     get_torch_threads = torch.get_num_threads
 
     def launch():
         torch_threads = get_torch_threads()
         try:
-            if nthreads > 1 and numba.get_num_threads() != nthreads:
+            if numba.get_num_threads() != nthreads:
                 numba.set_num_threads(nthreads)  # thread-local in numba
-            for dispatcher, bounds, items, bucket, sv in calls:
-                dispatcher(nthreads, bounds, items, ptrs, bucket, sv, sqrt_fn)
+            for dispatcher, meta, sv in calls:
+                dispatcher(nthreads, meta, ptrs, sv, sqrt_fn)
         finally:
-            table.release_volatile()
+            release()
             if get_torch_threads() != torch_threads:  # see _keep_torch_threads
                 torch.set_num_threads(torch_threads)
 
@@ -1056,9 +1110,22 @@ class _Steady:
     the lerp variant, the thread count and every column but the gradients are the same, a
     step's prepare is writing its scalars into the row ``sv`` and its gradients' addresses."""
 
-    __slots__ = ("program", "weights", "variant", "nthreads", "table", "sv", "launch", "names", "complements")
+    __slots__ = (
+        "program",
+        "weights",
+        "variant",
+        "nthreads",
+        "table",
+        "sv",
+        "launch",
+        "quick",
+        "grad_ptrs",
+        "total",
+        "names",
+        "complements",
+    )
 
-    def __init__(self, program, weights, variant, nthreads, table, kernel, sv, launch):
+    def __init__(self, program, weights, variant, nthreads, table, kernel, sv, launch, quick):
         self.program = program
         self.weights = weights
         self.variant = variant
@@ -1066,40 +1133,52 @@ class _Steady:
         self.table = table
         self.sv = sv
         self.launch = launch
-        # the row's scalars (scalar_env's variables, in the kernel's order), by scalar name;
-        # a lerp complement (w - 1, in float32) by (position, weight); the constants stay
-        self.names, self.complements = [], []
-        for pos, var in enumerate(kernel.source.scalars):
-            weight = next((w for w in weights if var == lerp_complement_var(w)), None)
-            if weight is not None:
-                self.complements.append((pos, weight))
-                self.names.append(None)
-            else:
-                name = var.removeprefix("s_")
-                assert var == scalar_var(name)
-                self.names.append(name)
+        # ``rebind_grads``'s launch: the kernel's call without the table's bookkeeping (a step
+        # of one small parameter pays for every object it touches: they are out of cache by
+        # the time the next step of the same optimizer comes)
+        self.quick = quick
+        self.grad_ptrs = table.ptrs[table.grad_row] if table.grad_row is not None else None
+        self.total = table.total
+        # the row's scalars (scalar_env's variables, in the kernel's order)
+        self.names, self.complements = kernel.row_layout(weights)
 
     def rebind(self, engine, scalars, columns):
         """The launch for this step, or None when something differs (the full prepare runs)."""
         table = self.table
         if columns["param"] is not table.params:
             return None
+        row = self._row(engine, scalars)
+        if row is None:
+            return None
+        for r, name in enumerate(table.names):
+            table.update(r, columns[name])
+        self.sv[0, : len(row)] = row
+        return self.launch
+
+    def rebind_grads(self, engine, scalars, grads):
+        """``rebind`` when only the scalars and the gradients (a ``Checked`` column) are new."""
+        row = self._row(engine, scalars)
+        if row is None:
+            return None
+        # (not kept in the table: its launch would drop the reference again)
+        self.grad_ptrs[:] = [t.data_ptr() for t in grads]
+        self.sv[0, : len(row)] = row
+        return self.quick
+
+    def _row(self, engine, scalars):
+        """This step's row of scalars, or None when it needs another kernel or thread count.
+        (The previous step's launch has run: a plan steps in one thread.)"""
         weights = self.weights
         if weights and lerp_variant(scalars, weights) != self.variant:
             return None
-        if engine._threads(table.total) != self.nthreads:
+        if engine._threads(self.total) != self.nthreads:
             return None
         # what scalar_env() and sv_row() compute, without their dicts (KeyError: a scalar is
-        # missing, as there)
+        # missing, as there); float32 on assignment to ``sv``, as scalar_env's
         row = [0.0 if n is None else scalars[n] for n in self.names]
         for pos, w in self.complements:
             row[pos] = np.float32(scalars[w]) - _F32_ONE
-        for r, name in enumerate(table.names):
-            table.update(r, columns[name])
-        # float32 on assignment, as scalar_env's; the previous step's launch has run (a plan
-        # steps in one thread)
-        self.sv[0, : len(row)] = row
-        return self.launch
+        return row
 
 
 def _nothing():
@@ -1131,9 +1210,10 @@ class _Table:
         self.sizes = [p.numel() for p in params]
         self.total = sum(self.sizes)
         self.ptrs = np.zeros((len(names), len(params)), dtype=np.int64)
+        self.grad_row = names.index("grad") if "grad" in names else None
         self.columns = [None] * len(names)
         self.volatile = [False] * len(names)  # a new list of tensors every step (the grads)
-        self._partitions: dict = {}
+        self._layouts: dict = {}
 
     def update(self, row: int, column):
         if column is self.columns[row]:
@@ -1157,14 +1237,15 @@ class _Table:
             if volatile:
                 self.columns[row] = None
 
-    def partition(self, nthreads, bucket):
-        # parameters outside every segment (bucket -1) are not run
-        skipped = bucket.min() < 0 if len(bucket) else False
-        key = (nthreads, bucket.tobytes()) if skipped else nthreads
-        hit = self._partitions.get(key)
+    def layout(self, nthreads, bucket):
+        """The launch's ``meta`` (``pack_layout``) for ``nthreads`` and the rows ``bucket``."""
+        key = (nthreads, bucket.tobytes())
+        hit = self._layouts.get(key)
         if hit is None:
+            # parameters outside every segment (bucket -1) are not run
+            skipped = bucket.min() < 0 if len(bucket) else False
             sizes = np.where(bucket >= 0, self.sizes, 0) if skipped else self.sizes
-            hit = self._partitions[key] = partition(list(sizes), nthreads)
+            hit = self._layouts[key] = pack_layout(*partition(list(sizes), nthreads), bucket)
         return hit
 
 

@@ -111,11 +111,11 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
     def _unit_scalars(self, gp, unit):
         """A unit's step: ``(scratch, values, flags)``, its 0-d state advanced on scratch copies,
         the float scalars, and the flags selecting its program. Writes nothing."""
-        cols = unit.scalar_columns
-        if all([c[0].dtype in _SCRATCH_DTYPES for c in cols.values()]):
-            scratch = {n: Scratch(c[0].item(), c[0].dtype) for n, c in cols.items()}
+        heads = unit.scalar_heads
+        if all([t.dtype in _SCRATCH_DTYPES for _, t in heads]):
+            scratch = {n: Scratch(t.item(), t.dtype) for n, t in heads}
         else:
-            scratch = {n: c[0].clone() for n, c in cols.items()}
+            scratch = {n: t.clone() for n, t in heads}
         try:
             computed = self.spec.scalars(gp.group, scratch)
             # bools are flags (they select the program), the rest float scalars
@@ -262,10 +262,10 @@ def _run_step(opt):
     if not plan.one_shot and hasattr(backend, "rebind") and all(only for *_, only in launches):
         # the next step may repeat this one's launches (plan.cache holds each unit's flags)
         gis = {id(gp): gi for gi, gp in enumerate(plan.groups)}
-        entries = [
+        entries = tuple(
             (gp, gis[id(gp)], unit, plan.cache[unit][0], backend.steady(prog, cache))
             for prog, _, _, cache, (gp, unit) in launches
-        ]
+        )
         if all(e[-1] is not None for e in entries):
             plan.steady = _Steady(backend, entries)
 

@@ -150,12 +150,17 @@ def where_of(cls_name, gi, pi, p) -> str:
 
 def _grads_ok(grads, shapes, dtypes) -> bool:
     """The fast form of tensor_problem for plain gradients (True: all well formed; a None is
-    not: its type is not a tensor's)."""
+    not: its type is not a tensor's). ``shapes`` and ``dtypes``: tuples."""
     return (
         all([type(g) in _PLAIN and g.is_cpu and g.layout is _STRIDED and g.is_contiguous() for g in grads])
-        and [g.shape for g in grads] == shapes
-        and [g.dtype for g in grads] == dtypes
+        and tuple(map(_SHAPE, grads)) == shapes
+        and tuple(map(_DTYPE, grads)) == dtypes
     )
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,6 +179,7 @@ class Unit:
         "flags",
         "pairing",
         "scalar_columns",
+        "scalar_heads",
         "scalar_flat",
         "scalar_uses",
         "columns",
@@ -189,6 +195,8 @@ class Unit:
         self.pairing = pairing
         states = [group_plan.states[i] for i in positions]
         self.scalar_columns = {n: [st[n] for st in states] for n in group_plan.scalar_names}
+        # each name's first member, whose value the step's scalars start from (all are equal)
+        self.scalar_heads = tuple((n, c[0]) for n, c in self.scalar_columns.items())
         # 0-d state born in one buffer (adopt_flat_state) is checked and written in one op each
         # (one member's is written as itself: nothing to gain, and no storage to watch)
         self.scalar_flat = {
@@ -227,6 +235,14 @@ class Unit:
 
     def write(self, scratch: dict):
         """Set every member's 0-d state to the step's new values (``scratch``)."""
+        if self.alone:  # (fewer objects to read: see scalar_heads)
+            for n, t in self.scalar_heads:
+                new = scratch[n]
+                if type(new) is Scratch:
+                    t.fill_(new.value)
+                else:
+                    t.copy_(new)
+            return
         for n, col in self.scalar_columns.items():
             flat = self.scalar_flat[n]
             new = scratch[n]
@@ -288,13 +304,16 @@ class GroupPlan:
     )
 
     def __init__(self, spec, gi, group, indices, params, states, init_flags, options, pairs=None):
+        # What a step reads is kept in tuples (one allocation each, where a list has two: a step
+        # of one small parameter finds every one of them out of cache)
+        params, states = tuple(params), tuple(states)
         self.gi = gi
         self.group = group
         self.params_list = group["params"]
         self.n_params = len(self.params_list)
         # the group's parameters as they were (an element replaced in place is seen): the
-        # stepped ones' list when that is all of them (one list less for a step to read)
-        self.params_items = params if len(params) == self.n_params else list(self.params_list)
+        # stepped ones' tuple when that is all of them (one object less for a step to read)
+        self.params_items = params if len(params) == self.n_params else tuple(self.params_list)
         self.options = options
         self.indices = indices
         self.n_stepped = len(indices)
@@ -304,8 +323,8 @@ class GroupPlan:
         self.inputs = [n for n in spec.inputs(o) if n not in ("param", "grad")]
         self.scalar_names = spec.scalar_state
         self.reals = [real(p) for p in params]
-        self.shapes = [p.shape for p in params]
-        self.dtypes = [p.dtype for p in params]
+        self.shapes = tuple(p.shape for p in params)
+        self.dtypes = tuple(p.dtype for p in params)
         self.plain = not any(is_dtensor(p) for p in params)
         self.complex = [i for i, p in enumerate(params) if p.is_complex()]
         self.simple = self.plain and not self.complex  # the gradients are the launch's column
@@ -314,10 +333,10 @@ class GroupPlan:
         # the same, flat, for the per-step identity check (``st[n] for n in tensor_names for st
         # in states``: no per-entry objects, which a step of one parameter would find out of cache)
         self.tensor_names = tuple(self.tensors)
-        self.state_tensors = [t for col in self.tensors.values() for t in col]
+        self.state_tensors = tuple(t for col in self.tensors.values() for t in col)
         # where the parameters' and the input state tensors' storage is (``.data =`` or
         # ``.set_()`` moves it under the same object), in one list
-        self.ptr_tensors = [*params, *(t for n in self.inputs for t in self.tensors[n])]
+        self.ptr_tensors = (*params, *(t for n in self.inputs for t in self.tensors[n]))
         self.ptrs = _ptrs(self.ptr_tensors, self.plain)
         # pairs: (partners, sources) from build, or None when no parameter of the group has a
         # partner (the step then never looks for one). sources[i]: the step reads the partner's
@@ -330,8 +349,8 @@ class GroupPlan:
             grad_like = [
                 q if src else p for p, q, src in zip(params, self.partners, self.sources, strict=True)
             ]
-            self.grad_shapes = [t.shape for t in grad_like]
-            self.grad_dtypes = [t.dtype for t in grad_like]
+            self.grad_shapes = tuple(t.shape for t in grad_like)
+            self.grad_dtypes = tuple(t.dtype for t in grad_like)
             self.grad_nbytes = np.array([t.numel() * t.element_size() for t in grad_like], dtype=np.int64)
             # the partners' memory, sorted (they do not overlap: _check_partners), against which
             # each step's gradients are checked: the pass writes a partner before it has read
@@ -415,8 +434,8 @@ class GroupPlan:
 
 def _ptrs(params, plain):
     if plain:
-        return [p.data_ptr() for p in params]
-    return [local(p).data_ptr() for p in params]
+        return tuple(map(_DATA_PTR, params))
+    return tuple(local(p).data_ptr() for p in params)
 
 
 def _pairings(gp):
@@ -485,9 +504,9 @@ class StepPlan:
         self.param_groups = opt.param_groups
         self.n_groups = len(opt.param_groups)
         self.state = opt.state
-        self.state_dicts = list(opt.state.values())
+        self.state_dicts = tuple(opt.state.values())
         self.pairings = masters.generation()  # pair()/unpair() since: rebuild
-        self.groups = groups
+        self.groups = tuple(groups)
         self.cache: dict = {}  # launch key -> (static columns, backend cache)
         self.one_shot = False
         self.steady = None  # what the next step may repeat (optimizer._Steady)

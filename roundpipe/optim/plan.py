@@ -269,32 +269,33 @@ def _uses(t) -> int:
 
 
 class GroupPlan:
+    # (what the per-step check and a steady step read first, together: fewer cache lines)
     __slots__ = (
-        "gi",
         "group",
         "params_list",
-        "params_items",
         "n_params",
         "options",
-        "indices",
         "n_stepped",
-        "simple",
         "params",
+        "partners",
+        "plain",
+        "shapes",
+        "dtypes",
+        "params_items",
+        "tensor_names",
         "states",
+        "state_tensors",
+        "ptr_tensors",
+        "ptrs",
+        "simple",
+        "gi",
+        "indices",
         "inputs",
         "scalar_names",
         "reals",
-        "shapes",
-        "dtypes",
-        "ptrs",
         "tensors",
-        "tensor_names",
-        "state_tensors",
-        "ptr_tensors",
-        "plain",
         "complex",
         "units",
-        "partners",
         "sources",
         "partner_meta",
         "partner_spans",
@@ -332,7 +333,7 @@ class GroupPlan:
         self.tensors = {n: [st[n] for st in states] for n in (*self.inputs, *self.scalar_names)}
         # the same, flat, for the per-step identity check (``st[n] for n in tensor_names for st
         # in states``: no per-entry objects, which a step of one parameter would find out of cache)
-        self.tensor_names = tuple(self.tensors)
+        self.tensor_names = _interned(tuple(self.tensors))
         self.state_tensors = tuple(t for col in self.tensors.values() for t in col)
         # where the parameters' and the input state tensors' storage is (``.data =`` or
         # ``.set_()`` moves it under the same object), in one list
@@ -430,6 +431,14 @@ class GroupPlan:
                 return Checked(grads)
             return Checked([grads[i] for i in unit.positions])
         return Checked([real(grads[i]) for i in unit.positions])
+
+
+_INTERNED: dict = {}
+
+
+def _interned(t: tuple) -> tuple:
+    """One shared tuple per value (a step reads shared objects from cache, its own from memory)."""
+    return _INTERNED.setdefault(t, t)
 
 
 def _ptrs(params, plain):

@@ -26,8 +26,10 @@ parameter (gradient attribute reads and checks 0.45, addresses 0.2, state identi
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
+from operator import is_, is_not
 
 import numpy as np
 import torch
@@ -159,6 +161,9 @@ def _grads_ok(grads, shapes, dtypes) -> bool:
 
 
 _SHAPE = operator.attrgetter("shape")
+_GRAD_OF = operator.attrgetter("grad")
+_STRIDE = torch.Tensor.stride
+_NONES = itertools.repeat(None)
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 
@@ -298,6 +303,9 @@ class GroupPlan:
         "units",
         "sources",
         "partner_meta",
+        "paired",
+        "all_paired",
+        "all_from_partners",
         "partner_spans",
         "grad_nbytes",
         "grad_shapes",
@@ -346,7 +354,10 @@ class GroupPlan:
         if self.partners is not None:
             # what the step writes through each partner: a ``.data =`` view of the same memory
             # (other shape, strides or dtype) is a change the per-step check must see
-            self.partner_meta = _partner_meta(self.partners)
+            self.paired = tuple(q for q in self.partners if q is not None)
+            self.all_paired = len(self.paired) == len(self.partners)
+            self.all_from_partners = all(self.sources)
+            self.partner_meta = _partner_meta(self.paired)
             grad_like = [
                 q if src else p for p, q, src in zip(params, self.partners, self.sources, strict=True)
             ]
@@ -382,19 +393,26 @@ class GroupPlan:
         return grads
 
     def _paired_grads(self):
-        # list comprehensions, no per-parameter Python statements (see the module docstring)
-        own = [p.grad for p in self.params]
-        low = [None if q is None else q.grad for q in self.partners]
+        # C-level maps, no per-parameter Python code (see the module docstring)
+        own = list(map(_GRAD_OF, self.params))
+        low = (
+            list(map(_GRAD_OF, self.partners))
+            if self.all_paired
+            else [None if q is None else q.grad for q in self.partners]
+        )
         sources = self.sources
-        if [g is None for g in own] != sources or [g is not None for g in low] != sources:
+        if list(map(is_, own, _NONES)) != sources or list(map(is_not, low, _NONES)) != sources:
             return None  # a gradient appeared or went: rebuilt (and validated)
-        grads = [lo if src else g for g, lo, src in zip(own, low, sources, strict=True)]
+        if self.all_from_partners:
+            grads = low
+        else:
+            grads = [lo if src else g for g, lo, src in zip(own, low, sources, strict=True)]
         if not _grads_ok(grads, self.grad_shapes, self.grad_dtypes):
             return None
-        if _partner_meta(self.partners) != self.partner_meta:
+        if _partner_meta(self.paired) != self.partner_meta:
             return None
         if len(self.partner_spans):
-            starts = np.array([g.data_ptr() for g in grads], dtype=np.int64)
+            starts = np.fromiter(map(_DATA_PTR, grads), dtype=np.int64, count=len(grads))
             ends = starts + self.grad_nbytes
             spans = self.partner_spans
             # the last partner starting before each gradient ends: overlap if it ends after the
@@ -732,8 +750,15 @@ def _stepped(cls_name, gi, group_params):
     return indices, params, ([partners[pi] for pi in indices], sources)
 
 
-def _partner_meta(partners):
-    return [None if q is None else (q.data_ptr(), q.shape, q.stride(), q.dtype) for q in partners]
+def _partner_meta(paired):
+    """What the step writes through each partner (``paired``: no None): addresses, shapes,
+    strides and dtypes."""
+    return (
+        tuple(map(_DATA_PTR, paired)),
+        tuple(map(_SHAPE, paired)),
+        tuple(map(_STRIDE, paired)),
+        tuple(map(_DTYPE, paired)),
+    )
 
 
 _PARTNER, _TENSOR, _GRAD = range(3)

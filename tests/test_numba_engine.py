@@ -279,7 +279,8 @@ def test_fma_is_used_where_torch_fuses():
     # value, stored there); the last pass: add(alpha=wd), lerp (buf and g are recomputed, acc is
     # read back) and addcmul(value=1)
     assert sum(_final_pass(src, k).count("fma(") for k in ("kernel_parallel", "kernel_serial")) == 2 * 3
-    assert src.count("fma(") == 2 * (3 + 3)
+    # two loops, each with its full blocks' passes and the last partial block's (the same lines)
+    assert src.count("fma(") == 2 * 2 * (3 + 3)
     assert "from roundpipe.optim.backends.numba_engine import f32ptr, fma, call_sqrt_at" in src
 
 
@@ -288,13 +289,15 @@ def _kernel_lines(src, name):
     return body.split("\ndef ", 1)[0].splitlines()
 
 
-def _passes(src, name):
-    """The element loops of a kernel, as lists of stripped lines (one per pass)."""
+def _passes(src, name, count="m"):
+    """The element loops of a kernel, as lists of stripped lines (one per pass): those over a
+    slice or over the last partial block of a program with a sqrt (``range(m...)``), or with
+    ``count=str(SQRT_BLOCK)`` those of its full blocks."""
     passes, current, depth = [], None, 0
     for line in _kernel_lines(src, name):
         stripped = line.strip()
         indent = len(line) - len(line.lstrip())
-        if stripped.startswith("for i in range(m"):
+        if stripped.startswith(f"for i in range({count}"):
             current, depth = [], indent
             passes.append(current)
         elif current is not None and stripped and indent > depth:
@@ -323,6 +326,9 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
         isinstance(node, Call) and node.fn == "sqrt" for st in prog.statements for node in walk(st.expr)
     )
     assert n_sqrt == 1 and len(passes) == 1 + n_sqrt + 1  # argument pass, sqrt (fallback loop), last
+    # full blocks: the same passes, over the constant SQRT_BLOCK elements (so LLVM vectorizes
+    # them without a run-time trip count)
+    assert _passes(ks.source, "kernel_serial", str(numba_engine.SQRT_BLOCK)) == passes
     first, last = passes[0], passes[-1]
     for i, name in enumerate(prog.tensors):
         array = f"t{i}_{name}"
@@ -335,7 +341,8 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
         assert writes == (1 if name in prog.targets else 0), name
         # the block's own views (from index 0: no wraparound code, so LLVM vectorizes)
         binds = [ln for ln in ser.splitlines() if ln.strip().startswith(f"{array} = carray(")]
-        assert len(binds) == 1 and "4 * (lo + b0)), mb)" in binds[0], name
+        assert len(binds) == 2 and f"4 * (lo + b0)), {numba_engine.SQRT_BLOCK})" in binds[0], name
+        assert "4 * (lo + b0)), mb)" in binds[1], name
     assert any(ln.startswith("t3_acc[i] =") for ln in first)  # acc's final value: stored in pass 0
     for lines in (first, last):
         stores = [ln for ln in lines if ln.startswith(("t", "q0[i]")) and "[i] =" in ln]
@@ -438,7 +445,8 @@ def test_sqrt_emulation_is_mkls_kernel(kind):
     """Each emulation equals the MKL kernel it reads (called directly, whatever MKL would pick
     on this CPU) bit for bit on a million floats (``_root_inputs``), on every CPU that has the
     emulation's instructions: so a kind the probe does not pick here is still checked (the
-    AVX-512 one was also checked over all 2**32 float32 on an AMD EPYC with AVX-512: equal)."""
+    AVX-512 one was also checked over all 2**32 float32 on an AMD EPYC with AVX-512, and against
+    torch.sqrt on an Intel Xeon that picks it: equal)."""
     if kind not in numba_engine._probe_order():
         pytest.skip(f"this CPU lacks {kind}'s instructions")
     mkl = _mkl_kernel(_MKL_KERNELS[kind])
@@ -470,8 +478,11 @@ def test_probe_order_follows_numba_target(monkeypatch):
     assert numba_engine._probe_order() == []
     monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+sse2,+avx,-avx512f")
     assert numba_engine._probe_order() == ["emulated-avx", "emulated"]
-    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+avx,+fma,+avx512f")
     monkeypatch.setattr(numba_engine, "_cpu_vendor", lambda: "GenuineIntel")
+    # the AVX-512 emulation takes vrsqrt14ps on ymm registers: AVX512VL, not only AVX512F
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+avx,+fma,+avx512f")
+    assert numba_engine._probe_order() == ["emulated-avx", "emulated", "emulated-fma"]
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+avx,+fma,+avx512f,+avx512vl")
     assert numba_engine._probe_order() == ["emulated-avx512", "emulated-avx", "emulated", "emulated-fma"]
 
 

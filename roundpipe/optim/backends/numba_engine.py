@@ -39,10 +39,11 @@ Rounding is torch's float32 rounding, bit for bit (torch.optim's for-loop, ``for
   ``vmsSqrt`` (one ulp off the correctly rounded root in about 20% of elements), found once per
   process (``torch_sqrt``). Calling it costs about 0.8 ns an element, which made an Adam step
   compute-bound on two cores, so the kernels compute what MKL's own float32 kernel for this
-  CPU computes: ``rsqrtps`` and a correction step, sixteen lanes at a time, handing the
-  lanes outside that sequence's range (subnormal, negative, huge, inf, NaN) to ``vmsSqrt``
-  itself (``sqrt_kind``: the emulation is used only where a probe finds it equal to
-  ``torch.sqrt``; checked once over all 2**32 float32 on an AMD EPYC: equal). Where no
+  CPU computes: ``rsqrtps`` (``vrsqrt14ps``) and a correction step, sixteen lanes a call,
+  handing the lanes outside that sequence's range (subnormal, negative, huge, inf, NaN) to
+  ``vmsSqrt`` itself (``sqrt_kind``: the emulation is used only where a probe finds it equal
+  to ``torch.sqrt``; checked once over all 2**32 float32 on an AMD EPYC (SSE sequence) and an
+  Intel Xeon (AVX-512 sequence): equal). Where no
   emulation matches (another CPU's MKL kernel), the kernels call ``vmsSqrt`` (through its
   address, a runtime argument, so kernels stay cacheable on disk); where torch's ``sqrt`` is
   correctly rounded (no MKL) the kernel's own ``sqrt``. A program with a ``sqrt`` runs each
@@ -50,7 +51,8 @@ Rounding is torch's float32 rounding, bit for bit (torch.optim's for-loop, ``for
   ``sqrt`` into a block buffer (nothing written yet), the roots are taken, and the last pass
   computes everything with the roots and writes the targets. Each block has views of its own
   starting at index 0: indexing from an offset makes numba emit wraparound code, and LLVM then
-  does not vectorize the loops (measured: AdamW 3x slower);
+  does not vectorize the loops (measured: AdamW 3x slower); full blocks have the constant
+  ``SQRT_BLOCK`` as their length, the last partial one its own;
 * ``error_model="numpy"``: ``x / 0`` is IEEE (inf or NaN), not ``ZeroDivisionError``.
 
 ``bounds``, ``items`` and ``bucket`` (which row of ``sv`` each parameter reads) travel in one
@@ -111,7 +113,7 @@ logger = logging.getLogger("roundpipe.optim")
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
 INSTALL_HINT = "pip install numba (roundpipe declares it; a wheel, no compiler needed)"
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 10
+GENERATOR_VERSION = 11
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
 # Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
@@ -119,12 +121,15 @@ JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=Tru
 PARALLEL_MIN_NUMEL = 1 << 15
 # Thread shares are cut at multiples of this many elements (64 bytes: no shared cache lines).
 ALIGN = 16
-# Elements per block of a program with a sqrt (its passes run over one block at a time). 256 (1
-# KiB per array: every pass's arrays stay in L1 on any x86-64): AdamW on 4 x 2Mi elements, one
-# thread, 0.92 ns an element against 1.30 with 2048 (torch fused: 0.80), Adagrad 0.76 against
-# 1.04; two threads, fused/ours 0.86-0.95 against 0.62-0.83 (medians of 38 steps, three
-# alternating runs each, AMD EPYC). 64-256 measure alike; from 512 up it is slower again.
-SQRT_BLOCK = 256
+# Elements per block of a program with a sqrt (its passes run over one block at a time; a
+# multiple of SQRT_LANES). Small blocks keep the passes close to one pass over memory: torch
+# fused / ours, two threads, medians of 11 alternating steps in one process (Intel Xeon with
+# AVX-512), 4 x 16Mi elements: Adam 0.92 / 1.01 / 1.02 with 256 / 128 / 64, AdamW 0.95 / 1.01 /
+# 1.03, Adagrad 0.79 / 0.93 / 0.93; transformer: Adam 0.94 / 0.99 / 1.02, AdamW 1.00 / 1.01 /
+# 1.05, Adagrad 0.85 / 0.98 / 0.96; 256 one-parameter optimizers of 4Ki: 1.27 / 1.29 (128 / 64,
+# Adam), Adagrad 1.21 / 1.35. (An AMD EPYC measured 64-256 alike, and 512 up slower.) Every
+# pass's arrays stay in L1 on any x86-64.
+SQRT_BLOCK = 64
 # vmsSqrt's mode argument, as torch's ATen/cpu/vml.h passes it:
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 VML_MODE = 0x2 | 0x00140000 | 0x100
@@ -310,13 +315,11 @@ def generate(
         # the whole body with the roots and stores the targets. Each block gets views of its
         # own that start at index 0 (as the whole slice's do above): indexing with b0 + i
         # would make numba emit wraparound code for negative indices, and LLVM then does not
-        # vectorize the loops (measured: AdamW 3x slower).
-        block_views = views("(lo + b0)", "mb")
-        inner = [
-            f"{i4}for b0 in range(0, m, {SQRT_BLOCK}):",
-            f"{i5}mb = min({SQRT_BLOCK}, m - b0)",
-            *(f"{i5}{v}" for v in block_views),
-        ]
+        # vectorize the loops (measured: AdamW 3x slower). The full blocks are written with
+        # the constant SQRT_BLOCK as their length and trip count, the last partial one (if
+        # any) apart with its own: with a run-time count (min(SQRT_BLOCK, m - b0)) for every
+        # block, AdamW on 4 x 16Mi elements ran 0.91x torch fused against 0.98-1.00x (two
+        # threads, Intel Xeon with AVX-512; see SQRT_BLOCK).
         early, passes = _sqrt_passes(cg, program)
         unused_q = set()
 
@@ -328,37 +331,51 @@ def generate(
                 *(f"{i6}{cg.current[t]} = {cg.arrays[t]}[i]" for t in early if cg.current[t] in needed),
             ]
 
-        for k, (loads, lines) in enumerate(passes[:-1]):
-            # a root of a target pass 0 stores (Adam's exp_avg_sq.sqrt()) is taken from the
-            # target's own block, not from a copy in q{k}
-            stored = [t for t in (early if k == 0 else ()) if f"a{k} = {cg.current[t]}" in lines]
-            q = cg.arrays[stored[0]] if stored else f"q{k}"
-            inner += [
-                f"{i5}for i in range(mb):",
-                *(reads(loads, lines) if k else (f"{i6}{cg._value(t, 0)} = {load(t, 'i')}" for t in loads)),
-                *(f"{i6}{line}" for line in lines if not (stored and line.startswith(f"a{k} = "))),
-                *([] if stored else [f"{i6}q{k}[i] = a{k}"]),
-                # pass 0 also stores the targets whose final value it has computed
-                *(f"{i6}{cg.arrays[t]}[i] = {cg.current[t]}" for t in (early if k == 0 else ())),
-                f"{i5}if sqrt_fn == 0:",
-                f"{i6}for i in range(mb):",
-                f"{i6}    r{k}[i] = np.sqrt({q}[i])",
-                f"{i5}else:",
-                *_sqrt_block(sqrt_kind, i6, q, f"r{k}"),
+        def block(count):
+            """One block's passes over ``count`` elements (a literal or ``mb``), at ``b0``."""
+            body = [f"{i5}{v}" for v in views("(lo + b0)", count)]
+            for k, (loads, lines) in enumerate(passes[:-1]):
+                # a root of a target pass 0 stores (Adam's exp_avg_sq.sqrt()) is taken from
+                # the target's own block, not from a copy in q{k}
+                stored = [t for t in (early if k == 0 else ()) if f"a{k} = {cg.current[t]}" in lines]
+                q = cg.arrays[stored[0]] if stored else f"q{k}"
+                first = (f"{i6}{cg._value(t, 0)} = {load(t, 'i')}" for t in loads)
+                body += [
+                    f"{i5}for i in range({count}):",
+                    *(reads(loads, lines) if k else first),
+                    *(f"{i6}{line}" for line in lines if not (stored and line.startswith(f"a{k} = "))),
+                    *([] if stored else [f"{i6}q{k}[i] = a{k}"]),
+                    # pass 0 also stores the targets whose final value it has computed
+                    *(f"{i6}{cg.arrays[t]}[i] = {cg.current[t]}" for t in (early if k == 0 else ())),
+                    f"{i5}if sqrt_fn == 0:",
+                    f"{i6}for i in range({count}):",
+                    f"{i6}    r{k}[i] = np.sqrt({q}[i])",
+                    f"{i5}else:",
+                    *_sqrt_block(sqrt_kind, i6, q, f"r{k}", count),
+                ]
+                if stored:
+                    unused_q.add(k)
+            loads, lines = passes[-1]
+            return body + [
+                f"{i5}for i in range({count}):",
+                *reads(loads, lines),
+                *(f"{i6}{line}" for line in lines),
+                *(f"{i6}{cg.arrays[t]}[i] = {cg.current[t]}" for t in program.targets if t not in early),
+                *(
+                    [f"{i6}{cg.arrays['partner']}[i] = narrow_{partner_dtype}({cg.current['param']})"]
+                    if partner_dtype
+                    else []
+                ),
             ]
-            if stored:
-                unused_q.add(k)
-        loads, lines = passes[-1]
-        inner += [
-            f"{i5}for i in range(mb):",
-            *reads(loads, lines),
-            *(f"{i6}{line}" for line in lines),
-            *(f"{i6}{cg.arrays[t]}[i] = {cg.current[t]}" for t in program.targets if t not in early),
-            *(
-                [f"{i6}{cg.arrays['partner']}[i] = narrow_{partner_dtype}({cg.current['param']})"]
-                if partner_dtype
-                else []
-            ),
+
+        inner = [
+            f"{i4}nb = m - m % {SQRT_BLOCK}",
+            f"{i4}for b0 in range(0, nb, {SQRT_BLOCK}):",
+            *block(str(SQRT_BLOCK)),
+            f"{i4}if nb < m:",
+            f"{i5}b0 = nb",
+            f"{i5}mb = m - nb",
+            *block("mb"),
         ]
         scratch = [
             f"        {buf}{k} = np.empty({SQRT_BLOCK}, np.float32)"
@@ -502,26 +519,32 @@ _EMULATION_FEATURES = {
     "emulated-avx": "avx",
     "emulated": "sse",
     "emulated-fma": "fma",
-    "emulated-avx512": "avx512f",
+    "emulated-avx512": "avx512vl",  # vrsqrt14ps on ymm registers
 }
 SQRT_LANES = 16
 _SQRT_IMPORTS = {"routine": ["call_sqrt_at"], **{k: ["call_sqrt_at", v] for k, v in _EMULATIONS.items()}}
 
 
-def _sqrt_block(kind, indent, q, r):
+def _sqrt_block(kind, indent, q, r, count):
+    """The lines that take the roots of ``q``'s first ``count`` elements into ``r`` (``count``: a
+    literal, a multiple of SQRT_LANES, or the variable ``mb``)."""
     if kind == "routine":
-        return [f"{indent}call_sqrt_at(sqrt_fn, mb, {q}.ctypes.data, {r}.ctypes.data)"]
+        return [f"{indent}call_sqrt_at(sqrt_fn, {count}, {q}.ctypes.data, {r}.ctypes.data)"]
     emu, lanes = _EMULATIONS[kind], SQRT_LANES
-    lines = [
-        f"qa = {q}.ctypes.data",
-        f"ra = {r}.ctypes.data",
-        f"n4 = mb - (mb & {lanes - 1})",
-        f"for i in range(0, n4, {lanes}):",
+    lines = [f"qa = {q}.ctypes.data", f"ra = {r}.ctypes.data"]
+    if count.isdigit():
+        assert int(count) % lanes == 0, count
+        n4 = count
+    else:
+        lines.append(f"n4 = {count} - ({count} & {lanes - 1})")
+        n4 = "n4"
+    lines += [
+        f"for i in range(0, {n4}, {lanes}):",
         f"    if {emu}(qa + 4 * i, ra + 4 * i):",
         f"        call_sqrt_at(sqrt_fn, {lanes}, qa + 4 * i, ra + 4 * i)",
-        "if n4 < mb:",
-        "    call_sqrt_at(sqrt_fn, mb - n4, qa + 4 * n4, ra + 4 * n4)",
     ]
+    if not count.isdigit():
+        lines += [f"if n4 < {count}:", f"    call_sqrt_at(sqrt_fn, {count} - n4, qa + 4 * n4, ra + 4 * n4)"]
     return [indent + line for line in lines]
 
 
@@ -1432,13 +1455,14 @@ def _conversions(intrinsic, types, ir):
     }
 
 
-def _sqrt_intrinsic(intrinsic, types, ir, body):
+def _sqrt_intrinsic(intrinsic, types, ir, body, width=SQRT_LANES):
     """An emulation's intrinsic ``sqrtv(src, dst)``: loads the ``SQRT_LANES`` float32 at address
-    ``src``; ``body(builder, x, splat, fma)`` (``splat(ty, value)``: a constant vector; ``fma``:
-    ``llvm.fma`` on such vectors) returns the roots MKL's kernel computes on its main path and
-    the lanes that path applies to; stores the roots (zeros returned as they are, as
-    ``sqrt(+-0)`` is ``+-0``) at ``dst``. Returns non-zero when a lane is neither on the path nor
-    zero: the caller then gives the ``SQRT_LANES`` elements to the routine."""
+    ``src`` (``width`` at a time); ``body(builder, x, splat, fma)`` (``splat(ty, value)``: a
+    constant vector; ``fma``: ``llvm.fma`` on such vectors) returns the roots MKL's kernel
+    computes on its main path and the lanes that path applies to; stores the roots (zeros
+    returned as they are, as ``sqrt(+-0)`` is ``+-0``) at ``dst``. Returns non-zero when a lane
+    is neither on the path nor zero: the caller then gives the ``SQRT_LANES`` elements to the
+    routine."""
     lanes = SQRT_LANES
 
     @intrinsic
@@ -1449,20 +1473,26 @@ def _sqrt_intrinsic(intrinsic, types, ir, body):
         def codegen(context, builder, signature, args):
             from numba.core import cgutils
 
-            vf = ir.VectorType(ir.FloatType(), lanes)
+            vf = ir.VectorType(ir.FloatType(), width)
+            i32 = ir.IntType(32)
 
             def splat(ty, value):
-                return ir.Constant(ty, [value] * lanes)
+                return ir.Constant(ty, [value] * ty.count)
 
             fma_fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32"
+                builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{width}f32"
             )
-            x = builder.load(builder.inttoptr(args[0], vf.as_pointer()), align=4)
-            root, on_path = body(builder, x, splat, lambda a, b, c: builder.call(fma_fn, [a, b, c]))
-            zero = builder.fcmp_ordered("==", x, splat(vf, 0.0))
-            builder.store(builder.select(zero, x, root), builder.inttoptr(args[1], vf.as_pointer()), align=4)
-            need = builder.not_(builder.or_(on_path, zero))
-            return builder.zext(builder.bitcast(need, ir.IntType(lanes)), ir.IntType(32))
+            need_any = ir.Constant(i32, 0)
+            for lo in range(0, lanes, width):
+                src = builder.add(args[0], ir.Constant(args[0].type, 4 * lo))
+                dst = builder.add(args[1], ir.Constant(args[1].type, 4 * lo))
+                x = builder.load(builder.inttoptr(src, vf.as_pointer()), align=4)
+                root, on_path = body(builder, x, splat, lambda a, b, c: builder.call(fma_fn, [a, b, c]))
+                zero = builder.fcmp_ordered("==", x, splat(vf, 0.0))
+                builder.store(builder.select(zero, x, root), builder.inttoptr(dst, vf.as_pointer()), align=4)
+                need = builder.not_(builder.or_(on_path, zero))
+                need_any = builder.or_(need_any, builder.zext(builder.bitcast(need, ir.IntType(width)), i32))
+            return need_any
 
         return types.int32(src, dst), codegen
 
@@ -1528,23 +1558,32 @@ def _sqrtv(intrinsic, types, ir, with_fma: bool, rsqrt_lanes: int):
 def _sqrtv_avx512(intrinsic, types, ir):
     """MKL's AVX-512 float32 HA kernel's main path (``mkl_vml_kernel_sSqrt_Z0HAynn``, read from
     libtorch_cpu's code): ``y = vrsqrt14ps(x)``, ``h = y * 0.5``, ``s = y * x``, ``r = fma(-s, s,
-    x)``, ``sqrt = fma(r, h, s)``, on 0 < x < inf with ``y <= 2**39`` (MKL rescales smaller x)."""
+    x)``, ``sqrt = fma(r, h, s)``, on 0 < x < inf with ``y <= 2**39`` (MKL rescales smaller x).
+
+    Taken eight lanes at a time (``vrsqrt14ps`` on a ymm register: the same estimate as on a
+    zmm), and with the fewest checks that select the same lanes: ``x < inf and y <= 2**39``
+    (a negative x or NaN has a NaN estimate, +0 and subnormals an infinite one; -0's estimate
+    is -inf, and zeros are returned as they are anyway). Both measured on an Intel Xeon with
+    AVX-512, two threads, 4 x 16Mi elements, against torch fused: Adagrad 0.80-0.83x with
+    sixteen lanes (zmm) and the four checks, 0.90-0.92x with eight, 0.96-0.98x with eight and
+    two checks (the correctly rounded vsqrtps: 1.03-1.04x); AdamW 0.91-0.93x, 0.97-0.99x,
+    1.02x (1.02x). 512-bit instructions cost the core more than their width brings back here."""
 
     def body(builder, x, splat, fma):
         vf = x.type
-        fnty = ir.FunctionType(vf, [vf, vf, ir.IntType(16)])
-        rsqrt14 = builder.module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.512", fnty=fnty)
-        y = builder.call(rsqrt14, [x, splat(vf, 0.0), ir.Constant(ir.IntType(16), -1)])
+        fnty = ir.FunctionType(vf, [vf, vf, ir.IntType(8)])
+        rsqrt14 = builder.module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.256", fnty=fnty)
+        y = builder.call(rsqrt14, [x, splat(vf, 0.0), ir.Constant(ir.IntType(8), -1)])
         h = builder.fmul(y, splat(vf, 0.5))
         s = builder.fmul(y, x)
         root = fma(fma(builder.fneg(s), s, x), h, s)
-        positive_finite = builder.and_(
-            builder.fcmp_ordered(">", x, splat(vf, 0.0)),
+        on_path = builder.and_(
             builder.fcmp_ordered("<", x, splat(vf, float("inf"))),
+            builder.fcmp_ordered("<=", y, splat(vf, 2.0**39)),
         )
-        return root, builder.and_(positive_finite, builder.fcmp_ordered("<=", y, splat(vf, 2.0**39)))
+        return root, on_path
 
-    return _sqrt_intrinsic(intrinsic, types, ir, body)
+    return _sqrt_intrinsic(intrinsic, types, ir, body, width=8)
 
 
 _INTRINSICS = (

@@ -41,10 +41,10 @@ Rounding is torch's float32 rounding, bit for bit (torch.optim's for-loop, ``for
   compute-bound on two cores, so the kernels compute what MKL's own float32 kernel for this
   CPU computes: ``rsqrtps`` (``vrsqrt14ps``) and a correction step, sixteen lanes a call,
   handing a block with any lane outside that sequence's range (subnormal, negative, huge,
-  inf, NaN) to ``vmsSqrt`` itself (``sqrt_kind``: the emulation is used only where a probe finds it equal
-  to ``torch.sqrt``; checked once over all 2**32 float32 on an AMD EPYC (SSE sequence) and an
-  Intel Xeon (AVX-512 sequence): equal). Where no
-  emulation matches (another CPU's MKL kernel), the kernels call ``vmsSqrt`` (through its
+  inf, NaN) to ``vmsSqrt`` itself (``sqrt_kind``: the emulation is used only where a probe
+  finds it equal to ``torch.sqrt``; checked once over all 2**32 float32 on an AMD EPYC (SSE
+  sequence) and an Intel Xeon (AVX-512 sequence): equal). Where no emulation matches
+  (another CPU's MKL kernel), the kernels call ``vmsSqrt`` (through its
   address, a runtime argument, so kernels stay cacheable on disk); where torch's ``sqrt`` is
   correctly rounded (no MKL) the kernel's own ``sqrt``. A program with a ``sqrt`` runs each
   block of ``SQRT_BLOCK`` elements in passes: pass ``k`` computes the argument of the ``k``-th
@@ -124,11 +124,12 @@ ALIGN = 16
 # Elements per block of a program with a sqrt (its passes run over one block at a time; a
 # multiple of SQRT_LANES). Small blocks keep the passes close to one pass over memory: torch
 # fused / ours, two threads, medians of 11 alternating steps in one process (Intel Xeon with
-# AVX-512), 4 x 16Mi elements: Adam 0.92 / 1.01 / 1.02 with 256 / 128 / 64, AdamW 0.95 / 1.01 /
-# 1.03, Adagrad 0.79 / 0.93 / 0.93; transformer: Adam 0.94 / 0.99 / 1.02, AdamW 1.00 / 1.01 /
-# 1.05, Adagrad 0.85 / 0.98 / 0.96; 256 one-parameter optimizers of 4Ki: 1.27 / 1.29 (128 / 64,
-# Adam), Adagrad 1.21 / 1.35. (An AMD EPYC measured 64-256 alike, and 512 up slower.) Every
-# pass's arrays stay in L1 on any x86-64.
+# AVX-512; before a block's off-path lanes went to the routine whole), 4 x 16Mi elements: Adam
+# 0.92 / 1.01 / 1.02 with 256 / 128 / 64, AdamW 0.95 / 1.01 / 1.03, Adagrad 0.79 / 0.93 / 0.93;
+# transformer: Adam 0.94 / 0.99 / 1.02, AdamW 1.00 / 1.01 / 1.05, Adagrad 0.85 / 0.98 / 0.96;
+# 256 one-parameter optimizers of 4Ki: 1.27 / 1.29 (128 / 64, Adam), Adagrad 1.21 / 1.35. (An
+# AMD EPYC measured 64-256 alike, and 512 up slower.) Every pass's arrays stay in L1 on any
+# x86-64.
 SQRT_BLOCK = 64
 # vmsSqrt's mode argument, as torch's ATen/cpu/vml.h passes it:
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.

@@ -113,7 +113,7 @@ logger = logging.getLogger("roundpipe.optim")
 CACHE_ENV_VAR = "ROUNDPIPE_CACHE_DIR"
 INSTALL_HINT = "pip install numba (roundpipe declares it; a wheel, no compiler needed)"
 # Bump when the generated code changes meaning without its text changing (it keys the cache).
-GENERATOR_VERSION = 11
+GENERATOR_VERSION = 12
 JIT_OPTIONS = dict(parallel=True, fastmath=False, error_model="numpy", nogil=True, boundscheck=False)
 # Each thread gets at least this many elements (else fewer threads run): about 20 us of work at
 # memory speed, where waking the pool's threads costs microseconds, and much more whenever the
@@ -720,12 +720,11 @@ def sqrt_kind() -> str:
     return _kind
 
 
-def _probe_order() -> list:
-    """The emulations numba's target can run, the likeliest match first: MKL runs its AVX-512
-    kernel on Intel CPUs that have AVX-512, and its SSE/AVX kernels on other vendors' (seen: an
-    AMD EPYC with AVX-512 takes the SSE sequence). The target is this CPU unless
-    ``NUMBA_CPU_NAME`` names another (e.g. ``generic``, for caches shared between machines):
-    then only the features ``NUMBA_CPU_FEATURES`` lists."""
+def _target_features() -> frozenset:
+    """The CPU features numba compiles for (names without the ``+``): this CPU's, unless
+    ``NUMBA_CPU_NAME`` names another target (e.g. ``generic``, for caches shared between
+    machines): then only those ``NUMBA_CPU_FEATURES`` lists. numba keys its disk cache on the
+    same target, so code chosen by these features is never loaded where they are missing."""
     import llvmlite.binding as llvm
 
     numba = import_numba()
@@ -733,7 +732,15 @@ def _probe_order() -> list:
         listed = numba.config.CPU_FEATURES or ""
     else:
         listed = llvm.get_host_cpu_features().flatten()
-    features = {f[1:] for f in listed.split(",") if f.startswith("+")}
+    return frozenset(f[1:] for f in listed.split(",") if f.startswith("+"))
+
+
+def _probe_order() -> list:
+    """The emulations numba's target can run, the likeliest match first: MKL runs its AVX-512
+    kernel on Intel CPUs that have AVX-512, and its SSE/AVX kernels on other vendors' (seen: an
+    AMD EPYC with AVX-512 takes the SSE sequence). The target is this CPU unless
+    ``NUMBA_CPU_NAME`` names another (``_target_features``)."""
+    features = _target_features()
     kinds = [k for k in SQRT_KINDS[1:] if _EMULATION_FEATURES[k] in features]
     if "emulated-avx512" in kinds and _cpu_vendor() == "GenuineIntel":
         kinds.insert(0, kinds.pop(kinds.index("emulated-avx512")))
@@ -1374,7 +1381,7 @@ def _pointer(intrinsic, types, element):
     return intrinsic(pointer)
 
 
-def _conversions(intrinsic, types, ir):
+def _conversions(intrinsic, types, ir, f16c=None):
     """``widen_bfloat16``/``widen_float16`` (the bits of a bfloat16 or float16, as uint16, to
     float32: exact) and ``narrow_bfloat16``/``narrow_float16`` (float32 to those bits, as torch's
     ``copy_`` rounds on the CPU: nearest-even, subnormals kept). Integer and float32 operations
@@ -1386,8 +1393,16 @@ def _conversions(intrinsic, types, ir):
       _value`` / ``fp16_ieee_to_fp32_value``), which round through float32 arithmetic; a NaN
       becomes ``sign | 0x7e00 | (mantissa >> 13)``, as F16C's ``vcvtps2ph`` (torch's vectorized
       copy) gives. Widening keeps a NaN's payload and quiets it, as ``vcvtph2ps`` does (torch's
-      scalar loop, for a tensor's last few elements, gives 0x7fffffff for every NaN instead)."""
+      scalar loop, for a tensor's last few elements, gives 0x7fffffff for every NaN instead).
+      Where numba's target has F16C, both are LLVM's ``fptrunc``/``fpext`` through ``half``,
+      which x86 lowers to exactly those two instructions (one each per 8 lanes instead of some
+      twenty integer and float operations): the same bits, checked over all 2**32 float32 and
+      2**16 float16 against torch. Without F16C LLVM would lower them to a runtime call, so
+      there the sequences above stay (``f16c``: None, whether the target has it; tests
+      choose)."""
     i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+    if f16c is None:
+        f16c = "f16c" in _target_features()
 
     def c32(v):
         return ir.Constant(i32, v - (1 << 32) if v >= 1 << 31 else v)
@@ -1406,6 +1421,8 @@ def _conversions(intrinsic, types, ir):
         return builder.trunc(builder.select(nan, c32(0xFFFF), r), i16)
 
     def widen_f16(builder, h):
+        if f16c:  # vcvtph2ps
+            return builder.fpext(builder.bitcast(h, ir.HalfType()), f32)
         w = builder.shl(builder.zext(h, i32), c32(16))
         sign = builder.and_(w, c32(0x80000000))
         two_w = builder.add(w, w)
@@ -1420,6 +1437,8 @@ def _conversions(intrinsic, types, ir):
         return builder.bitcast(builder.or_(sign, bits), f32)
 
     def narrow_f16(builder, x):
+        if f16c:  # vcvtps2ph, rounding as MXCSR says: nearest-even, as torch runs it
+            return builder.bitcast(builder.fptrunc(x, ir.HalfType()), i16)
         fabs = builder.module.declare_intrinsic("llvm.fabs", [f32])
         base = builder.fmul(builder.fmul(builder.call(fabs, [x]), fconst(2.0**112)), fconst(2.0**-110))
         w = builder.bitcast(x, i32)

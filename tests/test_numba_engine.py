@@ -252,7 +252,7 @@ def test_without_fma_and_vml_the_kernel_is_the_numexpr_engine_bit_for_bit(w):
     weights = numexpr_engine.lerp_weights(prog)
     variant = numexpr_engine.lerp_variant(sc, weights)
     env = numexpr_engine.scalar_env(sc, weights)
-    kernel = numba_engine.compile_kernel(prog, variant, fused=frozenset())
+    kernel = numba_engine.compile_kernel(prog, variant, fused=frozenset(), sqrt="routine")
     assert "fma(" not in kernel.source.source
     base = _inputs(LARGE)
     t_numexpr = {k: v.clone() for k, v in base.items()}
@@ -279,8 +279,8 @@ def test_fma_is_used_where_torch_fuses():
     # value, stored there); the last pass: add(alpha=wd), lerp (buf and g are recomputed, acc is
     # read back) and addcmul(value=1)
     assert sum(_final_pass(src, k).count("fma(") for k in ("kernel_parallel", "kernel_serial")) == 2 * 3
-    # two loops, each with its full blocks' passes and the last partial block's (the same lines)
-    assert src.count("fma(") == 2 * 2 * (3 + 3)
+    # two loops, each with one block body (a partial block runs it on padded copies)
+    assert src.count("fma(") == 2 * (3 + 3)
     assert "from roundpipe.optim.backends.numba_engine import f32ptr, fma, call_sqrt_at" in src
 
 
@@ -289,15 +289,14 @@ def _kernel_lines(src, name):
     return body.split("\ndef ", 1)[0].splitlines()
 
 
-def _passes(src, name, count="m"):
+def _passes(src, name):
     """The element loops of a kernel, as lists of stripped lines (one per pass): those over a
-    slice or over the last partial block of a program with a sqrt (``range(m...)``), or with
-    ``count=str(SQRT_BLOCK)`` those of its full blocks."""
+    slice (``range(m)``) or over a block of a program with a sqrt (``range(SQRT_BLOCK)``)."""
     passes, current, depth = [], None, 0
     for line in _kernel_lines(src, name):
         stripped = line.strip()
         indent = len(line) - len(line.lstrip())
-        if stripped.startswith(f"for i in range({count}"):
+        if stripped in ("for i in range(m):", f"for i in range({numba_engine.SQRT_BLOCK}):"):
             current, depth = [], indent
             passes.append(current)
         elif current is not None and stripped and indent > depth:
@@ -326,10 +325,8 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
         isinstance(node, Call) and node.fn == "sqrt" for st in prog.statements for node in walk(st.expr)
     )
     assert n_sqrt == 1 and len(passes) == 1 + n_sqrt + 1  # argument pass, sqrt (fallback loop), last
-    # full blocks: the same passes, over the constant SQRT_BLOCK elements (so LLVM vectorizes
-    # them without a run-time trip count)
-    assert _passes(ks.source, "kernel_serial", str(numba_engine.SQRT_BLOCK)) == passes
     first, last = passes[0], passes[-1]
+    block = numba_engine.SQRT_BLOCK
     for i, name in enumerate(prog.tensors):
         array = f"t{i}_{name}"
         writes = 0
@@ -339,10 +336,16 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
             assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(w), name
             writes += len(w)
         assert writes == (1 if name in prog.targets else 0), name
-        # the block's own views (from index 0: no wraparound code, so LLVM vectorizes)
-        binds = [ln for ln in ser.splitlines() if ln.strip().startswith(f"{array} = carray(")]
-        assert len(binds) == 2 and f"4 * (lo + b0)), {numba_engine.SQRT_BLOCK})" in binds[0], name
-        assert "4 * (lo + b0)), mb)" in binds[1], name
+        # the block's own view (from index 0: no wraparound code, so LLVM vectorizes) of the
+        # constant SQRT_BLOCK elements (no run-time trip count) at the slice, or for a partial
+        # block at a zero-padded copy, which is copied back if written
+        binds = [ln.strip() for ln in ser.splitlines() if ln.strip().startswith(f"{array} = carray(")]
+        assert binds == [f"{array} = carray(f32ptr(a{i}), {block})"], name
+        lines = [ln.strip() for ln in ser.splitlines()]
+        assert f"a{i} = ptrs[{i}, j] + 4 * (lo + b0)" in lines, name
+        pad = [ln for ln in lines if ln == f"a{i} = pad_copy(x{i}, a{i}, 4 * mb, {4 * block})"]
+        back = [ln for ln in lines if ln.startswith(f"pad_copy(ptrs[{i}, j] + 4 * (lo + b0), ")]
+        assert len(pad) == 1 and len(back) == (name in prog.targets), name
     assert any(ln.startswith("t3_acc[i] =") for ln in first)  # acc's final value: stored in pass 0
     for lines in (first, last):
         stores = [ln for ln in lines if ln.startswith(("t", "q0[i]")) and "[i] =" in ln]

@@ -51,8 +51,10 @@ Rounding is torch's float32 rounding, bit for bit (torch.optim's for-loop, ``for
   ``sqrt`` into a block buffer (nothing written yet), the roots are taken, and the last pass
   computes everything with the roots and writes the targets. Each block has views of its own
   starting at index 0: indexing from an offset makes numba emit wraparound code, and LLVM then
-  does not vectorize the loops (measured: AdamW 3x slower); full blocks have the constant
-  ``SQRT_BLOCK`` as their length, the last partial one its own;
+  does not vectorize the loops (measured: AdamW 3x slower). Every block has the constant
+  ``SQRT_BLOCK`` as its length: a slice's last, partial block runs on zero-padded copies of
+  its elements, and copies back what it wrote (one block body instead of a second one for
+  partial blocks: AdamW's kernel compiled in 1.09 s instead of 1.42 s);
 * ``error_model="numpy"``: ``x / 0`` is IEEE (inf or NaN), not ``ZeroDivisionError``.
 
 ``bounds``, ``items`` and ``bucket`` (which row of ``sv`` each parameter reads) travel in one
@@ -250,10 +252,12 @@ def generate(
 ) -> KernelSource:
     """The kernel source for ``program`` and a lerp variant (``formulas.lerp_variant``);
     ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA;
-    ``sqrt_kind``: how a block's roots are taken (``SQRT_KINDS``; ``sqrt_fn == 0`` at run time
-    always means the correctly rounded sqrt); ``pairing``: ``(grad dtype, partner dtype or None)``
-    by name (``PAIRING_DTYPES``): a ``bfloat16``/``float16`` gradient is widened as it is read, and
-    a partner (the table's last row) written with the final ``param``, rounded to its dtype."""
+    ``sqrt_kind``: how a block's roots are taken (``SQRT_KINDS``; with ``routine``, ``sqrt_fn ==
+    0`` at run time means the correctly rounded sqrt; an emulation needs the routine's address,
+    which the probe only picks one with, and has no such branch to compile); ``pairing``:
+    ``(grad dtype, partner dtype or None)`` by name (``PAIRING_DTYPES``): a ``bfloat16``/
+    ``float16`` gradient is widened as it is read, and a partner (the table's last row) written
+    with the final ``param``, rounded to its dtype."""
     if sqrt_kind not in SQRT_KINDS:
         raise ValueError(f"sqrt_kind {sqrt_kind!r} is not one of {SQRT_KINDS}")
     grad_dtype, partner_dtype = pairing
@@ -279,10 +283,12 @@ def generate(
         # (no wraparound code), and LLVM vectorizes the loop (7x faster than range(lo, hi))
     ]
 
-    def views(start, count):
+    def views(count, start=None):
+        """Each tensor's view: ``count`` elements from ``start`` in the slice, or at ``a{r}``."""
         return [
-            f"{cg.arrays[t]} = carray({'u16ptr' if t in low else 'f32ptr'}"
-            f"(ptrs[{r}, j] + {2 if t in low else 4} * {start}), {count})"
+            f"{cg.arrays[t]} = carray({'u16ptr' if t in low else 'f32ptr'}("
+            + (f"ptrs[{r}, j] + {2 if t in low else 4} * {start}" if start else f"a{r}")
+            + f"), {count})"
             for r, t in enumerate(tensors)
         ]
 
@@ -305,7 +311,7 @@ def generate(
 
     if not cg.sqrts:
         inner = [
-            *(f"{i4}{v}" for v in views("lo", "m")),
+            *(f"{i4}{v}" for v in views("m", "lo")),
             f"{i4}for i in range(m):",
             *loop_body(i5, "i", cg.body, True),
         ]
@@ -316,11 +322,15 @@ def generate(
         # the whole body with the roots and stores the targets. Each block gets views of its
         # own that start at index 0 (as the whole slice's do above): indexing with b0 + i
         # would make numba emit wraparound code for negative indices, and LLVM then does not
-        # vectorize the loops (measured: AdamW 3x slower). The full blocks are written with
-        # the constant SQRT_BLOCK as their length and trip count, the last partial one (if
-        # any) apart with its own: with a run-time count (min(SQRT_BLOCK, m - b0)) for every
-        # block, AdamW on 4 x 16Mi elements ran 0.91x torch fused against 0.98-1.00x (two
-        # threads, Intel Xeon with AVX-512; see SQRT_BLOCK).
+        # vectorize the loops (measured: AdamW 3x slower). Every block is written with the
+        # constant SQRT_BLOCK as its length and trip count: with a run-time count (min(
+        # SQRT_BLOCK, m - b0)), AdamW on 4 x 16Mi elements ran 0.91x torch fused against
+        # 0.98-1.00x (two threads, Intel Xeon with AVX-512; see SQRT_BLOCK). A slice's last,
+        # partial block runs the same body on zero-padded copies (pad_copy) of its mb
+        # elements and copies back the tensors it wrote: a second body for partial blocks
+        # doubled the kernel's compile time (measured on AdamW: 1.42 s with it, 1.09 s
+        # without, and 0.18 s more again with one np.zeros per copy instead of one scratch
+        # array), and the copies cost a step nothing measurable (at most 63 elements a tensor).
         early, passes = _sqrt_passes(cg, program)
         unused_q = set()
 
@@ -332,9 +342,11 @@ def generate(
                 *(f"{i6}{cg.current[t]} = {cg.arrays[t]}[i]" for t in early if cg.current[t] in needed),
             ]
 
-        def block(count):
-            """One block's passes over ``count`` elements (a literal or ``mb``), at ``b0``."""
-            body = [f"{i5}{v}" for v in views("(lo + b0)", count)]
+        def block():
+            """One block's passes over SQRT_BLOCK elements at ``a{r}`` (the slice's, or a
+            partial block's scratch copy)."""
+            n = SQRT_BLOCK
+            body = [f"{i5}{v}" for v in views(n)]
             for k, (loads, lines) in enumerate(passes[:-1]):
                 # a root of a target pass 0 stores (Adam's exp_avg_sq.sqrt()) is taken from
                 # the target's own block, not from a copy in q{k}
@@ -342,23 +354,19 @@ def generate(
                 q = cg.arrays[stored[0]] if stored else f"q{k}"
                 first = (f"{i6}{cg._value(t, 0)} = {load(t, 'i')}" for t in loads)
                 body += [
-                    f"{i5}for i in range({count}):",
+                    f"{i5}for i in range({n}):",
                     *(reads(loads, lines) if k else first),
                     *(f"{i6}{line}" for line in lines if not (stored and line.startswith(f"a{k} = "))),
                     *([] if stored else [f"{i6}q{k}[i] = a{k}"]),
                     # pass 0 also stores the targets whose final value it has computed
                     *(f"{i6}{cg.arrays[t]}[i] = {cg.current[t]}" for t in (early if k == 0 else ())),
-                    f"{i5}if sqrt_fn == 0:",
-                    f"{i6}for i in range({count}):",
-                    f"{i6}    r{k}[i] = np.sqrt({q}[i])",
-                    f"{i5}else:",
-                    *_sqrt_block(sqrt_kind, i6, q, f"r{k}", count),
+                    *_sqrt_block(sqrt_kind, i5, q, f"r{k}"),
                 ]
                 if stored:
                     unused_q.add(k)
             loads, lines = passes[-1]
             return body + [
-                f"{i5}for i in range({count}):",
+                f"{i5}for i in range({n}):",
                 *reads(loads, lines),
                 *(f"{i6}{line}" for line in lines),
                 *(f"{i6}{cg.arrays[t]}[i] = {cg.current[t]}" for t in program.targets if t not in early),
@@ -369,20 +377,40 @@ def generate(
                 ),
             ]
 
-        inner = [
-            f"{i4}nb = m - m % {SQRT_BLOCK}",
-            f"{i4}for b0 in range(0, nb, {SQRT_BLOCK}):",
-            *block(str(SQRT_BLOCK)),
-            f"{i4}if nb < m:",
-            f"{i5}b0 = nb",
-            f"{i5}mb = m - nb",
-            *block("mb"),
-        ]
+        body = block()  # (fills unused_q)
+        # one scratch allocation per thread (each np.empty adds to the compile time): the
+        # blocks' argument and root buffers, then one zero-padded copy per tensor, at x{r}
+        bufs = [f"{c}{k}" for k in range(len(cg.sqrts)) for c in "qr" if not (c == "q" and k in unused_q)]
+        nbytes = 4 * SQRT_BLOCK
         scratch = [
-            f"        {buf}{k} = np.empty({SQRT_BLOCK}, np.float32)"
-            for k in range(len(cg.sqrts))
-            for buf in "qr"
-            if not (buf == "q" and k in unused_q)
+            f"        scratch = np.empty({SQRT_BLOCK * (len(bufs) + len(tensors))}, np.float32)",
+            "        xs = scratch.ctypes.data",
+            *(
+                f"        {buf} = carray(f32ptr(xs + {nbytes * n}), {SQRT_BLOCK})"
+                for n, buf in enumerate(bufs)
+            ),
+            *(f"        x{r} = xs + {nbytes * (len(bufs) + r)}" for r in range(len(tensors))),
+        ]
+        size = {t: 2 if t in low else 4 for t in tensors}
+        at = {t: f"ptrs[{r}, j] + {size[t]} * (lo + b0)" for r, t in enumerate(tensors)}
+        inner = [
+            f"{i4}for b0 in range(0, m, {SQRT_BLOCK}):",
+            f"{i5}mb = min(m - b0, {SQRT_BLOCK})",
+            *(f"{i5}a{r} = {at[t]}" for r, t in enumerate(tensors)),
+            # a partial block runs on zero-padded copies, then copies back what it wrote
+            f"{i5}if mb < {SQRT_BLOCK}:",
+            *(
+                f"{i6}a{r} = "
+                + (f"x{r}" if t == "partner" else f"pad_copy(x{r}, a{r}, {size[t]} * mb, {nbytes})")
+                for r, t in enumerate(tensors)
+            ),
+            *body,
+            f"{i5}if mb < {SQRT_BLOCK}:",
+            *(
+                f"{i6}pad_copy({at[t]}, x{r}, {size[t]} * mb, {size[t]} * mb)"
+                for r, t in enumerate(tensors)
+                if t in {*program.targets, "partner"}
+            ),
         ]
 
     def kernel(name, loop):
@@ -412,7 +440,8 @@ def generate(
         f"# generator version {GENERATOR_VERSION}. Every scalar and constant is a float32 read from",
         "# sv (a Python float literal would make numba compute in float64). The same loop twice:",
         "# kernel_parallel for numba.njit(parallel=True), kernel_serial for one thread. sqrt_fn: the",
-        "# address of torch's sqrt routine (vmsSqrt), or 0 for the correctly rounded sqrt.",
+        "# address of torch's sqrt routine (vmsSqrt), or (sqrt routine) 0 for the correctly rounded",
+        "# sqrt.",
         "import numpy as np",
         "from numba import carray, prange",
         "",
@@ -421,7 +450,7 @@ def generate(
             [
                 "f32ptr",
                 *(["fma"] if cg.uses_fma else []),
-                *(_SQRT_IMPORTS[sqrt_kind] if cg.sqrts else ()),
+                *([*_SQRT_IMPORTS[sqrt_kind], "pad_copy"] if cg.sqrts else ()),
                 *(["u16ptr"] if low else []),
                 *([f"widen_{grad_dtype}"] if "grad" in low and "grad" in cg.loads else []),
                 *([f"narrow_{partner_dtype}"] if partner_dtype else []),
@@ -527,33 +556,37 @@ SQRT_LANES = 16
 _SQRT_IMPORTS = {"routine": ["call_sqrt_at"], **{k: ["call_sqrt_at", v] for k, v in _EMULATIONS.items()}}
 
 
-def _sqrt_block(kind, indent, q, r, count):
-    """The lines that take the roots of ``q``'s first ``count`` elements into ``r`` (``count``: a
-    literal, a multiple of SQRT_LANES, or the variable ``mb``)."""
-    if kind == "routine":
-        return [f"{indent}call_sqrt_at(sqrt_fn, {count}, {q}.ctypes.data, {r}.ctypes.data)"]
+def _sqrt_block(kind, indent, q, r):
+    """The lines that take the roots of a block, ``q`` -> ``r`` (views of SQRT_BLOCK elements of
+    which the first ``mb`` are the slice's: the rest is a partial block's zero padding)."""
+    if kind == "routine":  # sqrt_fn == 0: torch's sqrt is correctly rounded
+        return [
+            f"{indent}if sqrt_fn == 0:",
+            f"{indent}    for i in range({SQRT_BLOCK}):",
+            f"{indent}        {r}[i] = np.sqrt({q}[i])",
+            f"{indent}else:",
+            f"{indent}    call_sqrt_at(sqrt_fn, mb, {q}.ctypes.data, {r}.ctypes.data)",
+        ]
     emu, lanes = _EMULATIONS[kind], SQRT_LANES
-    lines = [f"qa = {q}.ctypes.data", f"ra = {r}.ctypes.data"]
-    if count.isdigit():
-        assert int(count) % lanes == 0, count
-        n4 = count
-    else:
-        lines.append(f"n4 = {count} - ({count} & {lanes - 1})")
-        n4 = "n4"
     # a block with any lane off the emulation's path goes to the routine whole: no call inside
     # the loop, whose vector constants then stay in registers (a call clobbers them all).
     # Measured on an Intel Xeon, 4 x 16Mi, two threads, against torch fused: Adagrad 0.81-0.83x
     # with the routine called from the loop for the sixteen lanes, 0.90-0.93x so; Adam
-    # 0.88-0.89x -> 0.95x, AdamW 0.90x -> 0.99x.
-    lines += [
+    # 0.88-0.89x -> 0.95x, AdamW 0.90x -> 0.99x. A partial block's last (mb % SQRT_LANES)
+    # elements then go to the routine on their own, as they did when partial blocks had a
+    # kernel of their own (the emulation is MKL's main loop; these are its remainder).
+    lines = [
+        f"qa = {q}.ctypes.data",
+        f"ra = {r}.ctypes.data",
         "bad = 0",
-        f"for i in range(0, {n4}, {lanes}):",
+        f"for i in range(0, {SQRT_BLOCK}, {lanes}):",
         f"    bad |= {emu}(qa + 4 * i, ra + 4 * i)",
         "if bad:",
-        f"    call_sqrt_at(sqrt_fn, {n4}, qa, ra)",
+        f"    call_sqrt_at(sqrt_fn, {SQRT_BLOCK}, qa, ra)",
+        f"n4 = mb - (mb & {lanes - 1})",
+        "if n4 < mb:",
+        "    call_sqrt_at(sqrt_fn, mb - n4, qa + 4 * n4, ra + 4 * n4)",
     ]
-    if not count.isdigit():
-        lines += [f"if n4 < {count}:", f"    call_sqrt_at(sqrt_fn, {count} - n4, qa + 4 * n4, ra + 4 * n4)"]
     return [indent + line for line in lines]
 
 
@@ -901,6 +934,8 @@ class NumbaKernel:
         meta = pack_layout(*partition(table.sizes, nthreads), np.zeros(1, np.int64))
         kernel = self.serial if nthreads == 1 else self.parallel
         fn = torch_sqrt()[0] if sqrt_fn is None else sqrt_fn
+        if not fn and "call_sqrt_at" in self.source.source and "sqrtv_" in self.source.source:
+            raise ValueError("an emulated sqrt needs the routine's address (sqrt_fn): 0 is for 'routine'")
         with _keep_torch_threads():  # (a first parallel call starts numba's pool)
             kernel(nthreads, meta, table.ptrs, sv, fn)
 
@@ -1303,7 +1338,7 @@ def kernel_source(program, variant=None, fused=None) -> str:
 # intrinsics imported by the generated modules, built on first use (numba is imported lazily):
 # ``fma`` (float32 a * b + c rounded once), ``f32ptr`` (an address as a float32 pointer) and
 # ``call_sqrt_at`` (torch's sqrt routine, called through its address), ``sqrtv_avx``/``sqrtv_sse``/
-# ``sqrtv_fma`` (MKL's sqrt sequence, ``_sqrtv``)
+# ``sqrtv_fma`` (MKL's sqrt sequence, ``_sqrtv``), ``pad_copy`` (a partial block's padded copy)
 
 # Built once, then read-only; unlocked: threads racing on the first build each make an equal
 # set, and the dict ends holding one (``update`` is atomic under the GIL).
@@ -1349,8 +1384,30 @@ def _make_intrinsics():
 
             return types.void(fn, n, src, dst), codegen
 
+        @intrinsic
+        def pad_copy(typingctx, dst, src, n, total):
+            """Copies ``n`` bytes from address ``src`` to ``dst``, zeroes ``dst``'s bytes from
+            ``n`` up to ``total``, and returns ``dst``."""
+            if not all(isinstance(x, types.Integer) for x in (dst, src, n, total)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                d, s, count, whole = args
+                i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
+                dp, sp = builder.inttoptr(d, i8p), builder.inttoptr(s, i8p)
+                no = ir.Constant(ir.IntType(1), 0)
+                memcpy = builder.module.declare_intrinsic("llvm.memcpy", [i8p, i8p, i64])
+                memset = builder.module.declare_intrinsic("llvm.memset", [i8p, i64])
+                builder.call(memcpy, [dp, sp, count, no])
+                rest = builder.gep(dp, [count])
+                builder.call(memset, [rest, ir.Constant(ir.IntType(8), 0), builder.sub(whole, count), no])
+                return d
+
+            return types.int64(dst, src, n, total), codegen
+
         _intrinsics.update(
             fma=fma,
+            pad_copy=pad_copy,
             # the float32 / uint16 (bfloat16, float16 bits) pointer at a tensor's data_ptr()
             f32ptr=_pointer(intrinsic, types, types.float32),
             u16ptr=_pointer(intrinsic, types, types.uint16),
@@ -1615,6 +1672,7 @@ def _sqrtv_avx512(intrinsic, types, ir):
 
 _INTRINSICS = (
     "fma",
+    "pad_copy",
     "f32ptr",
     "u16ptr",
     "call_sqrt_at",

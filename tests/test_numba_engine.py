@@ -318,6 +318,8 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
     ks = numba_engine.generate(prog, (False,), fused=frozenset({"add"}))
     par, ser = ks.source.split("def kernel_parallel(", 1)[1].split("def kernel_serial(")
     assert par.splitlines()[1].strip() == "for w in prange(nthreads):"  # one parallel region
+    # the loops' function asks for 512-bit vectors (where the target has AVX-512)
+    assert par.splitlines()[2].strip() == ser.splitlines()[2].strip() == "wide_vectors()"
     assert ser.splitlines()[1].strip() == "for w in range(nthreads):"
     assert par.splitlines()[2:] == ser.splitlines()[2:] + ["", ""]  # the same loop body
     passes = _passes(ks.source, "kernel_serial")
@@ -343,6 +345,8 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
         assert binds == [f"{array} = carray(f32ptr(a{i}), {block})"], name
         lines = [ln.strip() for ln in ser.splitlines()]
         assert f"a{i} = ptrs[{i}, j] + 4 * (lo + b0)" in lines, name
+        # every line of the block PREFETCH_BLOCKS ahead is prefetched
+        assert f"prefetch4(a{i} + {4 * block * numba_engine.PREFETCH_BLOCKS})" in lines, name
         pad = [ln for ln in lines if ln == f"a{i} = pad_copy(x{i}, a{i}, 4 * mb, {4 * block})"]
         back = [ln for ln in lines if ln.startswith(f"pad_copy(ptrs[{i}, j] + 4 * (lo + b0), ")]
         assert len(pad) == 1 and len(back) == (name in prog.targets), name
@@ -482,10 +486,10 @@ def test_probe_order_follows_numba_target(monkeypatch):
     monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+sse2,+avx,-avx512f")
     assert numba_engine._probe_order() == ["emulated-avx", "emulated"]
     monkeypatch.setattr(numba_engine, "_cpu_vendor", lambda: "GenuineIntel")
-    # the AVX-512 emulation takes vrsqrt14ps on ymm registers: AVX512VL, not only AVX512F
-    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+avx,+fma,+avx512f")
+    # the AVX-512 emulation takes vrsqrt14ps on zmm registers: AVX512F
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+avx,+fma,-avx512f,+avx512vl")
     assert numba_engine._probe_order() == ["emulated-avx", "emulated", "emulated-fma"]
-    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+avx,+fma,+avx512f,+avx512vl")
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+sse,+avx,+fma,+avx512f")
     assert numba_engine._probe_order() == ["emulated-avx512", "emulated-avx", "emulated", "emulated-fma"]
 
 

@@ -259,7 +259,9 @@ def test_first_use_small(tmp_path, capsys, monkeypatch):
     res = json.loads(out.read_text())["first_use"]
     assert res["model"] == "small" and res["backend"] == "fast"
     assert res["tensors"] == len(list(demo.build_model("small").parameters()))
-    assert len(res["cold_steps_s"]) == len(res["warm_steps_s"]) == first_use.STEPS
+    steps = (res["cold_steps_s"], res["warm_steps_s"], res["torch_fused_steps_s"])
+    assert [len(s) for s in steps] == [first_use.STEPS] * 3
+    assert "torch fused: first step - normal step" in text and isinstance(res["scipy"], bool)
     assert len(res["import_samples_s"]) == 1
     assert all(t > 0 for t in [res["import_s"], *res["cold_steps_s"], *res["warm_steps_s"]])
     assert set(res["meets_goals"]) == set(first_use.GOALS)

@@ -8,7 +8,12 @@
   temporary directory: numba's import, code generation and compilation included;
 * warm first step: the same in another new interpreter, with the cache the cold one filled;
 * normal step: that interpreter's third step (state and kernels in place): the warm first step
-  minus it is what the first step costs beyond any step.
+  minus it is what the first step costs beyond any step;
+* torch fused's first step beyond its normal step, in the warm interpreter on copies of the
+  parameters: the part of that cost any optimizer's first step pays (allocating the state).
+
+Where scipy is installed, numba imports ``scipy.linalg`` at its first use (about 0.1 s); the
+report says so.
 
 Goals: ``GOALS``.
 """
@@ -62,8 +67,25 @@ with FallbackWatch() as watch:
         opt.step()
         times.append(time.perf_counter() - t0)
 engine = fast_engine(watch.messages)
+# torch fused AdamW on copies, after roundpipe's steps: what any first step pays (its state)
+copies = [p.detach().clone().requires_grad_(True) for p in params]
+for c, p in zip(copies, params):
+    c.grad = p.grad.clone()
+ref = torch.optim.AdamW(copies, **HYPER, fused=True)
+torch_times = []
+for _ in range(steps):
+    t0 = time.perf_counter()
+    ref.step()
+    torch_times.append(time.perf_counter() - t0)
+try:
+    import scipy.linalg  # noqa: F401  (numba imports it at its first use where it is installed)
+    scipy = True
+except ImportError:
+    scipy = False
 print(json.dumps({
     "steps_s": times,
+    "torch_fused_steps_s": torch_times,
+    "scipy": scipy,
     "backend": opt.backend,
     "engine": engine,
     "numel": sum(p.numel() for p in params),
@@ -111,12 +133,14 @@ def measure(model: str = "default", log=lambda msg: None) -> dict:
         log("first use: warm first step (the same cache, a new process) ...")
         warm = _child(_STEP, (model, STEPS), env=_env(cache))
     normal = warm["steps_s"][-1]
+    torch_steps = warm["torch_fused_steps_s"]
     figures = {
         "import_s": statistics.median(r["roundpipe_s"] for r in imports),
         "cold_first_step_s": cold["steps_s"][0],
         "warm_first_step_s": warm["steps_s"][0],
         "normal_step_s": normal,
         "warm_first_step_beyond_normal_s": warm["steps_s"][0] - normal,
+        "torch_fused_first_step_beyond_normal_s": torch_steps[0] - torch_steps[-1],
     }
     return {
         **figures,
@@ -124,6 +148,8 @@ def measure(model: str = "default", log=lambda msg: None) -> dict:
         "import_torch_samples_s": [r["torch_s"] for r in imports],
         "cold_steps_s": cold["steps_s"],
         "warm_steps_s": warm["steps_s"],
+        "torch_fused_steps_s": warm["torch_fused_steps_s"],
+        "scipy": warm["scipy"],
         "model": model,
         "numel": cold["numel"],
         "tensors": cold["tensors"],
@@ -165,6 +191,11 @@ def format_report(res: dict) -> str:
             res["warm_first_step_beyond_normal_s"],
             goal("warm_first_step_beyond_normal_s"),
         ),
+        (
+            "torch fused: first step - normal step",
+            res["torch_fused_first_step_beyond_normal_s"],
+            "the same process, on copies: the state's allocation, which any first step pays",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     engines = res["engine"]["cold"]["text"]
@@ -176,4 +207,9 @@ def format_report(res: dict) -> str:
         f"{engines}",
         *(f"{name.ljust(width)} | {value:7.3f} s | {note}".rstrip(" |") for name, value, note in rows),
     ]
+    if res["scipy"]:
+        out.append(
+            "(scipy is installed: numba imports scipy.linalg at its first use, about 0.1 s of the "
+            "first steps; neither roundpipe, numba nor torch depends on scipy)"
+        )
     return "\n".join(out)

@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-from . import backends
+from . import backends, torch_support
 from .backends import Checked
 from .masters import partner_of
 from .plan import adopt_flat_state, rollback
@@ -381,6 +381,7 @@ def _make_init(cls, torch_cls):
                 )
                 states = [self.state[p] for p in params]
                 adopt_flat_state(params, states, names, below, self.spec.scalar_state)
+        torch_support.check_groups(cls, self.param_groups)
 
     __init__.__signature__ = public_sig
     __init__.__qualname__ = f"{cls.__name__}.__init__"

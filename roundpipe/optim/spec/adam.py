@@ -1,7 +1,10 @@
 """Adam and AdamW: ``torch.optim.adam._single_tensor_adam`` (capturable=False branch).
 
 AdamW is this spec with ``decoupled_weight_decay=True`` in its param groups, exactly as
-``torch.optim.AdamW`` is ``torch.optim.Adam`` with that flag.
+``torch.optim.AdamW`` is ``torch.optim.Adam`` with that flag (torch >= 2.7). Before 2.7 AdamW
+is a class of its own whose ``_single_tensor_adamw`` is this update with the decay always
+decoupled (``param.mul_(1 - lr * weight_decay)``, which is exact at ``weight_decay=0``), and
+whose param groups have no ``decoupled_weight_decay``.
 """
 
 import torch
@@ -19,8 +22,12 @@ def init_state(group, p, state):
             state["max_exp_avg_sq"] = zeros_like(p)
 
 
-def options(group):
-    return {**blocks.decay_options(group), "amsgrad": group["amsgrad"]}
+def options(group, decoupled=False):
+    return {**blocks.decay_options(group, decoupled), "amsgrad": group["amsgrad"]}
+
+
+def adamw_options(group):
+    return options(group, decoupled=True)
 
 
 def scalars(group, state):
@@ -55,4 +62,4 @@ def program(o, b):
 
 
 ADAM = OptimizerSpec("Adam", torch.optim.Adam, init_state, options, inputs, scalars, program)
-ADAMW = OptimizerSpec("AdamW", torch.optim.AdamW, init_state, options, inputs, scalars, program)
+ADAMW = OptimizerSpec("AdamW", torch.optim.AdamW, init_state, adamw_options, inputs, scalars, program)

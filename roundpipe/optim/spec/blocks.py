@@ -27,12 +27,14 @@ def moment_state(p, state):
 MOMENT_INPUTS = ("param", "grad", "exp_avg", "exp_avg_sq")
 
 
-def decay_options(group):
-    """The options of optimizers with ``maximize`` and (decoupled) weight decay."""
+def decay_options(group, decoupled=False):
+    """The options of optimizers with ``maximize`` and (decoupled) weight decay. ``decoupled``:
+    the decay of a group without the key (torch < 2.7's Adam and AdamW, whose AdamW is a class
+    of its own that always decouples)."""
     return {
         "maximize": group["maximize"],
         "weight_decay": group["weight_decay"] != 0,
-        "decoupled_weight_decay": group["decoupled_weight_decay"],
+        "decoupled_weight_decay": group.get("decoupled_weight_decay", decoupled),
     }
 
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.optim.optimizer import _get_scalar_dtype, _get_value, _to_scalar
+from torch.optim import optimizer as _torch_optimizer
+from torch.optim.optimizer import _get_scalar_dtype, _get_value
 
 from .ir import Program, ProgramBuilder
 
@@ -107,7 +108,13 @@ def zeros_like(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-to_scalar = _to_scalar
+def _kept(x):
+    return x
+
+
+# torch >= 2.8 squeezes a one-element tensor hyperparameter (``_to_scalar``); before, its
+# for-loops use the tensor as given, and so do the specs.
+to_scalar = getattr(_torch_optimizer, "_to_scalar", _kept)
 
 
 def value(x) -> float:

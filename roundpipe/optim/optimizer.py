@@ -29,11 +29,11 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 
 from . import backends, torch_support
-from .backends import Checked
 from .masters import partner_of
 from .plan import adopt_flat_state, rollback
 from .plan import build as build_plan
 from .spec.core import Scratch
+from .tensors import Checked
 
 # 0-d state entries whose scalars are computed on Scratch values rather than tensor clones
 _SCRATCH_DTYPES = (torch.float32, torch.float64)

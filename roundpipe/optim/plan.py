@@ -36,9 +36,9 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import masters
-from .backends import Checked
 from .masters import partner_of, partner_problem
 from .spec.core import Options, Scratch
+from .tensors import Checked, contiguous_run
 
 SUPPORTED_DTYPES = (torch.float32, torch.complex64)
 # a unit's pairing (masters.py): (its gradients' dtype, its partners' dtype or None)
@@ -614,29 +614,6 @@ def adopt_flat_state(params, states, names, below, scalar_names=()):
 
 def _tiled(tensors) -> bool:
     return contiguous_run(tensors) is not None
-
-
-def contiguous_run(tensors):
-    """The 1-D tensor that ``tensors`` (contiguous, in this order, in one storage) tile
-    exactly, or None. Works on detached aliases too (they have no ``_base``)."""
-    if not tensors:
-        return None
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    dtype = first.dtype
-    pos = start = first.storage_offset()
-    for t in tensors:
-        if (
-            t.storage_offset() != pos
-            or t.dtype != dtype
-            or not t.is_contiguous()
-            or t.untyped_storage().data_ptr() != storage
-        ):
-            return None
-        pos += t.numel()
-    if pos * first.element_size() > first.untyped_storage().nbytes():
-        return None
-    return first.as_strided((pos - start,), (1,), start)
 
 
 def build(opt, spec, backend=None):

@@ -53,6 +53,8 @@ import importlib
 import os
 import threading
 
+from ..tensors import Checked
+
 ENV_VAR = "ROUNDPIPE_OPTIM_BACKEND"
 DEFAULT = "fast"
 # name -> (module, factory name, keyword arguments)
@@ -122,13 +124,6 @@ class CompileCache:
     def clear(self):
         with self._lock:
             self._entries.clear()
-
-
-class Checked(list):
-    """A column the step plan has validated (contiguous float32 CPU tensors of the parameters'
-    sizes): a backend need not check it again."""
-
-    __slots__ = ()
 
 
 def pairing_of(columns):

@@ -39,7 +39,7 @@ import warnings
 import torch
 
 from .. import threads
-from ..plan import contiguous_run
+from ..tensors import contiguous_run
 from . import CompileCache, composed, numba_engine, numexpr_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
 

@@ -107,7 +107,8 @@ import torch
 
 from .. import threads
 from ..spec.ir import Assign, Let
-from . import Checked, CompileCache, pairing_of, segments
+from ..tensors import Checked
+from . import CompileCache, pairing_of, segments
 from .formulas import Lowering, lerp_complement_var, lerp_variant, lerp_weights, scalar_env, scalar_var
 
 logger = logging.getLogger("roundpipe.optim")

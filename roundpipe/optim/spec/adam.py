@@ -7,6 +7,8 @@ decoupled (``param.mul_(1 - lr * weight_decay)``, which is exact at ``weight_dec
 whose param groups have no ``decoupled_weight_decay``.
 """
 
+import inspect
+
 import torch
 
 from . import blocks
@@ -22,12 +24,19 @@ def init_state(group, p, state):
             state["max_exp_avg_sq"] = zeros_like(p)
 
 
-def options(group, decoupled=False):
+# torch >= 2.7: every Adam param group has ``decoupled_weight_decay`` (AdamW's is True); before,
+# Adam ignores the key (a state_dict from NAdam may carry it) and AdamW always decouples.
+_GROUPS_DECOUPLE = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
+
+
+def options(group):
+    decoupled = None if _GROUPS_DECOUPLE else False
     return {**blocks.decay_options(group, decoupled), "amsgrad": group["amsgrad"]}
 
 
 def adamw_options(group):
-    return options(group, decoupled=True)
+    decoupled = None if _GROUPS_DECOUPLE else True
+    return {**blocks.decay_options(group, decoupled), "amsgrad": group["amsgrad"]}
 
 
 def scalars(group, state):

@@ -27,14 +27,14 @@ def moment_state(p, state):
 MOMENT_INPUTS = ("param", "grad", "exp_avg", "exp_avg_sq")
 
 
-def decay_options(group, decoupled=False):
-    """The options of optimizers with ``maximize`` and (decoupled) weight decay. ``decoupled``:
-    the decay of a group without the key (torch < 2.7's Adam and AdamW, whose AdamW is a class
-    of its own that always decouples)."""
+def decay_options(group, decoupled=None):
+    """The options of optimizers with ``maximize`` and (decoupled) weight decay: the group's
+    ``decoupled_weight_decay``, or ``decoupled`` where the optimizer's torch class has no such
+    option and always decays one way (torch < 2.7's Adam and AdamW)."""
     return {
         "maximize": group["maximize"],
         "weight_decay": group["weight_decay"] != 0,
-        "decoupled_weight_decay": group.get("decoupled_weight_decay", decoupled),
+        "decoupled_weight_decay": group["decoupled_weight_decay"] if decoupled is None else decoupled,
     }
 
 

@@ -155,7 +155,7 @@ def zero_beta1(betas) -> bool:
 # vectorized form everywhere; the torch engine runs torch's lerp on chunks and batched buffers
 # whose tails fall elsewhere. A -0.0 gradient is what a float16 partner's gradient gives for
 # a negative float32 value below its smallest subnormal, so the partner conformance
-# (test_partners.py) meets it; float32 gradients in the grid are never -0.0. Compared against
+# (test_masters.py) meets it; float32 gradients in the grid are never -0.0. Compared against
 # torch there with the sign of zeros ignored (every other bit still compared); against the
 # composition on the same backend, bit for bit.
 LERP_SIGNED_ZERO = Deviation(
@@ -173,7 +173,7 @@ LERP_SIGNED_ZERO = Deviation(
         "parameter, elements 16-23 (torch's tail): +0.0 in torch, -0.0 on fast:numba"
     ),
 )
-# the same for every optimizer with a lerp of weight 1 - beta1 (only in test_partners)
+# the same for every optimizer with a lerp of weight 1 - beta1 (only in test_masters.py)
 PARTNER_SIGNED_ZERO = tuple(
     Deviation(**{**LERP_SIGNED_ZERO.__dict__, "optimizer": name}) for name in ("Adam", "AdamW", "Adamax")
 )

@@ -277,6 +277,8 @@ def test_fsdp2_matches_torch_or_refuses_cleanly(two_ranks, case):
     for rank, results in enumerate(two_ranks):
         res = results["fsdp"][f"{name}-{backend}"]
         theirs, ours = res["torch"], res["roundpipe"]
+        if theirs["error"] is not None and "record_event" in theirs["error"]:
+            pytest.skip(f"torch {torch.__version__}'s FSDP2 does not run on CPU: {theirs['error']}")
         assert theirs["error"] is None, theirs["error"]
         assert ours["param_type"] == "DTensor"
         if ours["error"] is None:

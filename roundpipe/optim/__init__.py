@@ -16,7 +16,8 @@ Where things live:
 * the math of every optimizer: ``roundpipe/optim/spec/<name>.py`` (one spec each);
 * the statement language: ``roundpipe/optim/spec/ir.py``;
 * the backends and their interface: ``roundpipe/optim/backends/__init__.py``;
-* the step plan (what a step needs, checked cheaply every step): ``roundpipe/optim/plan.py``;
+* the step plan (what a step needs, checked cheaply every step): ``roundpipe/optim/plan/``
+  (its design: ``docs/step-plan.md``);
 * the API: ``roundpipe/optim/optimizer.py``; masters and partners: ``roundpipe/optim/masters.py``.
 """
 

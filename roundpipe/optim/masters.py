@@ -15,9 +15,8 @@ The meaning is the composition, and every backend and engine equals it bit for b
     opt.step()                           # the normal step
     partner.copy_(master)
 
-The numba engine does all three in its one pass over memory (AdamW: 28 bytes an element moved
-instead of 40; SGD without momentum: 12 instead of 24); the other engines and the reference
-backend run the composition as written.
+The numba engine does all three in its one pass over memory (the bytes it saves:
+docs/step-plan.md); the other engines and the reference backend run the composition as written.
 
 A master with a gradient of its own (e.g. unscaled or clipped by the caller) is stepped with it,
 and its partner written all the same. A master whose partner has no gradient (and that has none
@@ -33,6 +32,8 @@ schedulers work as ever; ``fp32_masters(model)`` pairs a whole model.
 from __future__ import annotations
 
 import torch
+
+from .tensors import is_dtensor
 
 PARTNER_DTYPES = (torch.bfloat16, torch.float16)
 _ATTR = "_roundpipe_partner"
@@ -51,8 +52,6 @@ def partner_of(master):
 
 def partner_problem(master, partner):
     """``(exception class, message)`` if ``master`` and ``partner`` cannot be paired, else None."""
-    from .plan import is_dtensor
-
     if is_dtensor(master) or is_dtensor(partner):
         return TypeError, (
             "a DTensor (FSDP2) cannot be paired: pair the local fp32 shard's optimizer with plain tensors, "

@@ -9,13 +9,13 @@ module adds:
   ``defaults`` or ``param_groups``, so state dicts stay interchangeable with torch.optim;
 * the contract's placeholders: ``foreach``/``fused`` are ignored with a warning,
   ``capturable=True``/``differentiable=True`` raise ``ValueError``;
-* ``step()``: checks the step plan (``plan.py``: built once, checked cheaply every step, rebuilt
+* ``step()``: checks the step plan (``plan/``: built once, checked cheaply every step, rebuilt
   with full validation when something changed), computes every unit's scalars, and only when
   all of that has passed writes anything: the 0-d state, then one backend launch per program.
   When the last step's launches each ran one unit and nothing but the scalars and gradients
-  changed, the step repeats them (``_Steady``: the backend's ``rebind``) instead of grouping
-  the units and preparing the launches again: what a step of one small parameter costs is
-  mostly Python objects read out of cache, and this path reads about half as many.
+  changed, the step is a *replay*: it repeats them (``_Replay``: the backend's ``rebind``)
+  instead of grouping the units and preparing the launches again, which is most of what a
+  step of one small parameter costs (docs/step-plan.md).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         return _hooked_step(*args, **kwargs)
 
     # torch's __init__ wraps an unmarked step in its hook runner (profile_hook_step); ours runs
-    # the same hooks (_hooked_step) at a tenth of its cost, which a step of one parameter pays
+    # the same hooks (_hooked_step) for less, which a step of one parameter pays
     step.hooked = True
 
     @torch._disable_dynamo
@@ -175,19 +175,19 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 scalars = parts[0][2]
             else:
                 scalars = [(values, len(unit.positions)) for _, unit, values, _ in parts]
-            # (the unit and its gradient column when it is the launch's only one: see _Steady)
-            only = (parts[0][0], parts[0][1]) if len(parts) == 1 and "grad" in program.tensors else None
-            launches.append((program, scalars, columns, cache, only))
+            # (the group plan and unit when the launch runs one unit: see _Replay)
+            sole_unit = (parts[0][0], parts[0][1]) if len(parts) == 1 and "grad" in program.tensors else None
+            launches.append((program, scalars, columns, cache, sole_unit))
         return writeback, launches
 
-    def _steady_schedule(self, plan, grads):
+    def _replay_schedule(self, plan, grads):
         """The step as the last one ran, when nothing but the scalars and the gradients
         changed: ``(writeback, launches)`` ready to run, or None (the full path runs). Writes
         nothing the full path would not overwrite (the backends' scalar rows)."""
-        steady = plan.steady
-        backend = steady.backend
+        replay = plan.replay
+        backend = replay.backend
         writeback, ready = [], []
-        for gp, gi, unit, flags, handle in steady.entries:
+        for gp, gi, unit, flags, handle in replay.entries:
             if not unit.uniform():
                 return None
             scratch, values, now = self._unit_scalars(gp, unit)
@@ -201,8 +201,8 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         return writeback, ready
 
 
-class _Steady:
-    """What a step on an unchanged plan repeats (``StepPlan.steady``): every launch ran one
+class _Replay:
+    """What a step on an unchanged plan repeats (``StepPlan.replay``): every launch ran one
     unit, on a backend that can rebind a launch to new scalars and gradients. Per step it
     skips the grouping of units into launches and the backend's full ``prepare``."""
 
@@ -216,9 +216,9 @@ class _Steady:
 def _run_step(opt):
     plan = opt.__dict__.get("_roundpipe_plan")
     grads = plan.check(opt, opt.spec) if plan is not None else None
-    if grads is not None and plan.steady is not None:
+    if grads is not None and plan.replay is not None:
         try:
-            ready = opt._steady_schedule(plan, grads)
+            ready = opt._replay_schedule(plan, grads)
         except BaseException:
             opt._roundpipe_plan = None  # rebuilt (and re-validated) by the next step
             raise
@@ -237,7 +237,7 @@ def _run_step(opt):
             opt._roundpipe_plan = None
             plan, grads, created = build_plan(opt, opt.spec, backend)
             opt._roundpipe_plan = plan
-        plan.steady = None
+        plan.replay = None
         schedule = opt._schedule(plan, grads)
         if schedule is None:  # a unit's 0-d state is no longer uniform: re-bucket
             plan, grads, more = build_plan(opt, opt.spec, backend)
@@ -259,21 +259,25 @@ def _run_step(opt):
         unit.write(scratch)
     for launch in ready:
         launch()
-    if not plan.one_shot and hasattr(backend, "rebind") and all(only for *_, only in launches):
+    if (
+        not plan.valid_for_one_step
+        and hasattr(backend, "replay_handle")
+        and all(sole_unit for *_, sole_unit in launches)
+    ):
         # the next step may repeat this one's launches (plan.cache holds each unit's flags)
         gis = {id(gp): gi for gi, gp in enumerate(plan.groups)}
         entries = tuple(
-            (gp, gis[id(gp)], unit, plan.cache[unit][0], backend.steady(prog, cache))
+            (gp, gis[id(gp)], unit, plan.cache[unit][0], backend.replay_handle(prog, cache))
             for prog, _, _, cache, (gp, unit) in launches
         )
         if all(e[-1] is not None for e in entries):
-            plan.steady = _Steady(backend, entries)
+            plan.replay = _Replay(backend, entries)
 
 
 def _hooked_step(*args, **kwargs):
     """torch's ``Optimizer.profile_hook_step`` wrapper, the same hooks in the same order with
     the same arguments, under a ``record_function`` of the same name (torch's cheap C++ one
-    where it has it: the Python one costs 13 us a step even with no profiler running)."""
+    where it has it: the Python one costs far more, even with no profiler running)."""
     self = args[0]
     cls = type(self)
     if cls.step is not RoundpipeOptimizer.step:
@@ -330,7 +334,7 @@ _disabled_fns: dict = {}
 def _disabled(fn):
     """``fn`` run as itself inside ``torch.compile``: dynamo would otherwise trace into numba's
     dispatcher (and fail) or recompile the torch engine's ops with inductor (other rounding).
-    Only called once dynamo is imported (``torch.compiler.disable`` imports it: 1.2 s)."""
+    Only called once dynamo is imported (``torch.compiler.disable`` imports it, which is slow)."""
     hit = _disabled_fns.get(fn)
     if hit is None:
         hit = _disabled_fns[fn] = torch.compiler.disable(fn, recursive=True)

@@ -8,6 +8,9 @@ The whole interface a backend implements (duck-typed):
         name: str                     # as passed to backend=
         def check_settings(self): ... # raise on bad settings (called when a plan is built)
         def prepare(self, program, scalars, columns, cache) -> launch: ...
+        # optional, for a replay (see below):
+        def replay_handle(self, program, cache) -> handle | None: ...
+        def rebind(self, handle, scalars, grads) -> launch | None: ...
 
 ``prepare`` does everything that can fail for running ``program`` (``spec/ir.py``) in place on
 every parameter of ``columns`` (program tensor name -> list of real float32 CPU tensors, one
@@ -27,21 +30,23 @@ widened to float32). Each column holds one dtype. A backend that does not fuse t
 ``composed``: widen, the program, round back.
 ``prepare`` checks the settings it reads (environment variables) itself, every step: a
 step on an unchanged plan does not call ``check_settings``. ``run(...)`` is ``prepare(...)()``,
-for tools and tests. Optional, for a step that repeats the last one's launches
-(``optimizer._Steady``): ``steady(program, cache)`` (after ``prepare``: a handle, or None) and
-``rebind(handle, scalars, grads)`` (the launch with this step's scalars, a dict, and gradient
-column; or None, and ``prepare`` runs), which checks the settings as ``prepare`` does.
+for tools and tests. Optional, for a *replay* (a step that repeats the last step's launches
+with new scalars and gradients, ``optimizer._Replay``): ``replay_handle(program, cache)``
+(called after ``prepare`` ran for that call site: a handle, or None where the backend does not
+replay) and ``rebind(handle, scalars, grads)`` (the launch with this step's scalars, a dict,
+and gradient column; or None, and ``prepare`` runs), which checks the settings as ``prepare``
+does.
 
 The names (``backend=``, or ``ROUNDPIPE_OPTIM_BACKEND``; the default is ``"fast"``):
 
 * ``fast`` (``fast.py``, the default): the fast backend's default engine, ``numba``
-  (``numba_engine.py``: one compiled parallel pass over every tensor of a step, bit for bit
+  (``numba_engine/``: one compiled parallel pass over every tensor of a step, bit for bit
   torch.optim's for-loop). Where numba cannot be imported or a kernel cannot be compiled, the
   step runs the ``torch`` engine instead, with one warning naming the cause.
   ``ROUNDPIPE_OPTIM_ENGINE`` picks another engine for plain ``fast``;
 * ``fast:numba``, ``fast:torch``, ``fast:numexpr``: one engine, no fallback. ``torch``
   (``torch_engine.py``): chunked torch ops on roundpipe's threads, bit for bit the for-loop, no
-  compiler; ``numexpr`` (``numexpr_engine.py``, the design card's): fused numexpr expressions on
+  compiler; ``numexpr`` (``numexpr_engine.py``): fused numexpr expressions on
   zero-copy numpy views, not bit for bit (no fused multiply-add, correctly rounded sqrt);
 * ``reference`` (``reference.py``): plain torch ops, one tensor at a time, for debugging;
 * ``native``: the old name of ``fast:numba`` (roundpipe 0.1), still accepted.

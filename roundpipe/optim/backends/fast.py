@@ -1,6 +1,6 @@
 """The ``fast`` backend: a spec program over many parameters, in place, on one of three engines.
 
-* ``numba`` (``numba_engine.py``, the default): every tensor of the step in one compiled
+* ``numba`` (``numba_engine/``, the default): every tensor of the step in one compiled
   parallel pass, no gather or scatter, bit for bit torch.optim's for-loop. Where numba cannot be
   imported, or cannot compile a program, plain ``fast`` runs the ``torch`` engine instead and
   warns once, naming the cause and the fix (``fast:numba`` raises instead);
@@ -11,9 +11,9 @@
   cache-sized chunks, bit for bit the for-loop, the chunks shared out to roundpipe's own
   threads (``threads.py``) while torch's intra-op pool is held at one thread: one parallel
   region per step;
-* ``numexpr`` (``numexpr_engine.py``, the design card's): the same batching, one fused numexpr
-  expression per ``assign`` on zero-copy numpy views, by numexpr's own pool. Not bit for bit
-  (numexpr has no fused multiply-add and a correctly rounded sqrt).
+* ``numexpr`` (``numexpr_engine.py``): the same batching, one fused numexpr expression per
+  ``assign`` on zero-copy numpy views, by numexpr's own pool. Not bit for bit (numexpr has no
+  fused multiply-add and a correctly rounded sqrt).
 
 Every result is written back into the caller's own tensors: nothing a step updates is ever
 replaced. ``ROUNDPIPE_OPTIM_ENGINE`` (or the backend names ``fast:numba``, ``fast:torch``,
@@ -21,7 +21,7 @@ replaced. ``ROUNDPIPE_OPTIM_ENGINE`` (or the backend names ``fast:numba``, ``fas
 
 When to pick which: ``fast`` always, unless numba is not available for the platform (then
 ``fast:torch``: the same bits, 2-3x slower on many small tensors and below torch's fused kernels
-on large ones), or to read the design card's numexpr engine at work (``fast:numexpr``).
+on large ones), or to compare with numexpr's fused expressions (``fast:numexpr``).
 
 Shared between threads: the compiled programs (``_torch_programs``, ``_numexpr_programs``,
 the numba engine's kernels) are immutable once built and built under a lock; a torch program's
@@ -222,17 +222,17 @@ class FastBackend:
             cache.setdefault(engine, {}),
         )
 
-    def steady(self, program, cache):
-        """What ``rebind`` needs to repeat the launch ``prepare`` just returned for this call
+    def replay_handle(self, program, cache):
+        """What ``rebind`` needs to replay the launch ``prepare`` just returned for this call
         site (``cache``), or None (the numba engine only: the others are not worth it)."""
-        return cache.get("numba", _NO_CACHE).get("steady")
+        return cache.get("numba", _NO_CACHE).get("replay")
 
-    def rebind(self, steady, scalars, grads):
-        """The launch of ``steady`` (from ``steady``) with new scalars (a dict) and gradients,
-        everything else as it was; or None (``prepare`` then runs)."""
+    def rebind(self, handle, scalars, grads):
+        """The launch of ``handle`` (from ``replay_handle``) with new scalars (a dict) and
+        gradients, everything else as it was; or None (``prepare`` then runs)."""
         if engine_setting(self._engine)[0] != "numba":
             return None
-        return steady.rebind_grads(self._numba, scalars, grads)
+        return handle.rebind_grads(self._numba, scalars, grads)
 
     def run(self, program, scalars, columns, cache=None):
         """``prepare`` then launch (for tools and tests)."""
@@ -291,13 +291,13 @@ class FastBackend:
         units = [{name: columns[name][i] for name in names} for i in large]
         if not small:
             return lambda: execute(units)
-        whole = len(small) == len(params)
+        all_small = len(small) == len(params)
         subsets = cache.setdefault("members", {})  # name -> (column, its small members)
         members = {}
         for name in names:
             column = columns[name]
             hit = subsets.get(name)
-            if whole:
+            if all_small:
                 members[name] = column
             elif hit is not None and hit[0] is column:
                 members[name] = hit[1]

@@ -1,11 +1,12 @@
 """The one lowering of the IR's functions to torch's float32 formulas, for compiled engines.
 
 ``reference`` and the torch engine call torch ops (``torch_ops.py``). The compiled engines
-(numexpr strings in ``numexpr_engine.py``, numba source in ``native.py``) need each function
-written out as arithmetic, in the order torch's CPU kernels round it. That is done here, once;
-an engine subclasses :class:`Lowering` and supplies its *dialect*: how to name a tensor,
-how to write a select, a logical or, a square root, and whether a sub-expression used twice
-must be bound to a local first. The formulas:
+(numexpr strings in ``numexpr_engine.py``, numba source in ``numba_engine/``) need each
+function written out as arithmetic, in the order torch's CPU kernels round it. That is done
+here, once; an engine subclasses :class:`Lowering` and supplies its *dialect*: how to name a
+tensor, how to write a select, a logical or, a square root, whether a sub-expression used twice
+must be bound to a local first, and how text is put together (``fmt``: the numba dialect also
+records which locals an expression reads). The formulas:
 
 * ``number / tensor`` is ``reciprocal(tensor) * number`` (torch's ``__rtruediv__``);
 * ``sign``: ``(0 < x) - (x < 0)``, NaN gives 0; ``maximum`` and ``clamp`` propagate NaN;
@@ -15,7 +16,7 @@ must be bound to a local first. The formulas:
   ``(w - 1) * (b - a) + b`` (the vectorized kernel's form; which branch is fixed per program
   *variant*, see ``lerp_variant``);
 * where torch's vectorized kernel rounds ``a * b + c`` once (``fused``: some of ``add``,
-  ``addcmul``, ``lerp``, measured by ``native.torch_fusion``), the dialect's ``fma``.
+  ``addcmul``, ``lerp``, measured by the numba engine's ``probes.torch_fusion``), the dialect's ``fma``.
 
 Every scalar and constant is a named float32 variable: numexpr and numba would compute a
 float literal in float64.
@@ -108,6 +109,11 @@ class Lowering:
         """A name for a sub-expression used more than once (default: repeat it)."""
         return code
 
+    def fmt(self, template: str, *parts) -> str:
+        """``template.format(*parts)``: every piece of text a formula puts together goes
+        through here, so a dialect can follow what the pieces read (see numba's lowering)."""
+        return template.format(*parts)
+
     # -- leaves -------------------------------------------------------------------------------
     def scalar(self, name: str) -> str:
         var = scalar_var(name)
@@ -130,28 +136,28 @@ class Lowering:
         if isinstance(e, Bin):
             if e.op == "/" and not e.a.is_tensor():
                 # torch computes number / tensor as reciprocal(tensor) * number
-                return f"(({self.const(1.0)} / {self(e.b)}) * {self(e.a)})"
-            return f"({self(e.a)} {e.op} {self(e.b)})"
+                return self.fmt("(({} / {}) * {})", self.const(1.0), self(e.b), self(e.a))
+            return self.fmt("({} {} {})", self(e.a), e.op, self(e.b))
         return getattr(self, "fn_" + e.fn)(*e.args)
 
     # -- torch's float32 formulas, in torch's rounding order ---------------------------------
     def fn_neg(self, x):
-        return f"(-{self(x)})"
+        return self.fmt("(-{})", self(x))
 
     def fn_sqrt(self, x):
         return self.sqrt(self(x))
 
     def fn_abs(self, x):
-        return f"abs({self(x)})"
+        return self.fmt("abs({})", self(x))
 
     def fn_sign(self, x):
         x, zero = self.bind(self(x)), self.const(0.0)
-        minus = self.select(f"{x} < {zero}", self.const(-1.0), zero)
-        return self.select(f"{x} > {zero}", self.const(1.0), minus)
+        minus = self.select(self.fmt("{} < {}", x, zero), self.const(-1.0), zero)
+        return self.select(self.fmt("{} > {}", x, zero), self.const(1.0), minus)
 
     def fn_maximum(self, a, b):
         a, b = self.bind(self(a)), self.bind(self(b))
-        return self.select(self.either(f"{a} > {b}", f"{a} != {a}"), a, b)
+        return self.select(self.either(self.fmt("{} > {}", a, b), self.fmt("{} != {}", a, a)), a, b)
 
     def fn_where(self, c, a, b):
         return self.select(self(c), self(a), self(b))
@@ -159,35 +165,37 @@ class Lowering:
     def fn_clamp(self, x, lo, hi):
         # min(max(x, lo), hi), NaN propagating
         x, lo, hi = self.bind(self(x)), self(lo), self(hi)
-        low = self.bind(self.select(f"{x} < {lo}", lo, x))
-        return self.select(f"{low} > {hi}", hi, low)
+        low = self.bind(self.select(self.fmt("{} < {}", x, lo), lo, x))
+        return self.select(self.fmt("{} > {}", low, hi), hi, low)
 
     def _scaled(self, scale, x):
         if isinstance(scale, Const) and scale.value == 1.0:
             return self(x)
-        return f"({self(scale)} * {self(x)})"
+        return self.fmt("({} * {})", self(scale), self(x))
 
     def fn_add(self, a, b, alpha):
         if isinstance(alpha, Const) and alpha.value in (1.0, -1.0):
-            return f"({self(a)} {'+' if alpha.value == 1.0 else '-'} {self(b)})"
+            return self.fmt("({} {} {})", self(a), "+" if alpha.value == 1.0 else "-", self(b))
         if "add" in self.fused:
             return self.fma(self(alpha), self(b), self(a))
-        return f"({self(a)} + {self._scaled(alpha, b)})"
+        return self.fmt("({} + {})", self(a), self._scaled(alpha, b))
 
     def fn_addcmul(self, a, b, c, value):
         if "addcmul" in self.fused:
             return self.fma(self._scaled(value, b), self(c), self(a))
-        return f"({self(a)} + ({self._scaled(value, b)} * {self(c)}))"
+        return self.fmt("({} + ({} * {}))", self(a), self._scaled(value, b), self(c))
 
     def fn_addcdiv(self, a, b, c, value):
-        return f"({self(a)} + ({self._scaled(value, b)} / {self(c)}))"
+        return self.fmt("({} + ({} / {}))", self(a), self._scaled(value, b), self(c))
 
     def fn_lerp(self, a, b, w):
         a, b = self.bind(self(a)), self.bind(self(b))
         fused = "lerp" in self.fused
         if self.lerp_small[w.name]:
             w = self.scalar(w.name)
-            return self.fma(w, f"({b} - {a})", a) if fused else f"({a} + ({w} * ({b} - {a})))"
+            if fused:
+                return self.fma(w, self.fmt("({} - {})", b, a), a)
+            return self.fmt("({} + ({} * ({} - {})))", a, w, b, a)
         comp = lerp_complement_var(w.name)
         if comp not in self.scalars:
             self.scalars.append(comp)
@@ -195,5 +203,5 @@ class Lowering:
         # branch; its scalar loop's end - (end - start) * (1 - w) has the same magnitude, and
         # differs only in the sign of a zero (lerp(+0, -0, 1): -0 vectorized, +0 scalar)
         if fused:
-            return self.fma(comp, f"({b} - {a})", b)
-        return f"(({comp} * ({b} - {a})) + {b})"
+            return self.fma(comp, self.fmt("({} - {})", b, a), b)
+        return self.fmt("(({} * ({} - {})) + {})", comp, b, a, b)

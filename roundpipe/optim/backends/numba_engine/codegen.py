@@ -1,0 +1,373 @@
+"""The kernel module's source: a spec program's records (``lowering.py``) written out as two
+loops over a step's slices, ``kernel_parallel`` (``prange``) and ``kernel_serial``.
+
+Each part of a kernel has its emitter; every emitter returns its lines at its own depth, and
+the caller indents them (``_indent``). What the kernels compute and why they are shaped so
+(blocks, passes, padded copies): docs/numba-engine.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import (
+    EMULATION_INTRINSICS,
+    GENERATOR_VERSION,
+    LOW_PRECISION,
+    PREFETCH_BLOCKS,
+    SQRT_BLOCK,
+    SQRT_KINDS,
+    SQRT_LANES,
+)
+from .lowering import KernelLowering, local_name, sqrt_passes
+
+_PACKAGE = "roundpipe.optim.backends.numba_engine"
+_BLOCK_BYTES = 4 * SQRT_BLOCK  # a block of float32
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """The generated kernel module and the layout of its ``scalar_rows``."""
+
+    source: str
+    tensors: tuple  # program tensor names: the rows of ``addresses``
+    scalars: tuple  # scalar_env() keys: the first columns of ``scalar_rows``
+    consts: tuple  # np.float32 constants: the last columns of ``scalar_rows``
+
+
+@dataclass
+class _Kernel:
+    """What the emitters share: the lowered program and how each tensor is stored."""
+
+    lowering: KernelLowering
+    targets: tuple
+    tensors: tuple  # the rows of ``addresses``: the program's tensors, then any partner
+    low: dict  # tensor -> its low-precision dtype (a pairing's gradient or partner)
+    partner_dtype: str | None
+
+    def view(self, tensor: str) -> str:
+        return self.lowering.views[tensor]
+
+    def element_size(self, tensor: str) -> int:
+        return 2 if tensor in self.low else 4
+
+    def load(self, tensor: str, index: str) -> str:
+        """The expression reading ``tensor``'s element ``index`` as float32."""
+        element = f"{self.view(tensor)}[{index}]"
+        return f"widen_{self.low[tensor]}({element})" if tensor in self.low else element
+
+    def stores(self, tensors) -> list:
+        """The lines writing each of ``tensors``' final values, then any partner (the final
+        ``param``, rounded to the partner's dtype)."""
+        current = self.lowering.current
+        lines = [f"{self.view(t)}[i] = {current[t]}" for t in tensors]
+        if self.partner_dtype:
+            lines.append(f"{self.view('partner')}[i] = narrow_{self.partner_dtype}({current['param']})")
+        return lines
+
+
+def generate(
+    program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routine", pairing=("float32", None)
+) -> KernelSource:
+    """The kernel source for ``program`` and a lerp variant (``formulas.lerp_variant``);
+    ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA;
+    ``sqrt_kind``: how a block's roots are taken (``SQRT_KINDS``); ``pairing``: ``(grad dtype,
+    partner dtype or None)`` by name: a ``bfloat16``/``float16`` gradient is widened as it is
+    read, and a partner (the last row of ``addresses``) written with the final ``param``,
+    rounded to its dtype."""
+    if sqrt_kind not in SQRT_KINDS:
+        raise ValueError(f"sqrt_kind {sqrt_kind!r} is not one of {SQRT_KINDS}")
+    grad_dtype, partner_dtype = pairing
+    if grad_dtype not in ("float32", *LOW_PRECISION) or partner_dtype not in (None, *LOW_PRECISION):
+        raise ValueError(f"pairing {pairing!r}: dtypes must be float32, bfloat16 or float16")
+    lowering = KernelLowering(program, variant, fused)
+    tensors = tuple(program.tensors) + (("partner",) if partner_dtype else ())
+    lowering.views.setdefault("partner", local_name("view", len(tensors) - 1, "partner"))
+    low = {t: d for t, d in (("grad", grad_dtype), ("partner", partner_dtype)) if d in LOW_PRECISION}
+    kernel = _Kernel(lowering, tuple(program.targets), tensors, low, partner_dtype)
+    row_names = (*sorted(lowering.scalars), *sorted(lowering.consts))
+    if lowering.sqrt_cuts:
+        scratch, inner, intrinsics = _block_loop(kernel, sqrt_kind)
+        emulations = [EMULATION_INTRINSICS[sqrt_kind]] if sqrt_kind in EMULATION_INTRINSICS else []
+    else:
+        scratch, inner, intrinsics, emulations = [], _slice_loop(kernel), [], []
+    lines = [
+        *_header(program, variant, lowering, sqrt_kind, pairing),
+        "import numpy as np",
+        "from numba import carray, prange",
+        "",
+        *_imports(kernel, intrinsics, emulations),
+        "",
+        "",
+        *_kernel_function("kernel_parallel", "prange", scratch, _item_setup(row_names), inner),
+        *_kernel_function("kernel_serial", "range", scratch, _item_setup(row_names), inner),
+    ]
+    consts = tuple(np.float32(lowering.consts[c]) for c in sorted(lowering.consts))
+    return KernelSource("\n".join(lines).rstrip() + "\n", tensors, tuple(sorted(lowering.scalars)), consts)
+
+
+def _indent(lines, depth: int = 1) -> list:
+    pad = "    " * depth
+    return [pad + line for line in lines]
+
+
+def _header(program, variant, lowering, sqrt_kind, pairing) -> list:
+    grad_dtype, partner_dtype = pairing
+    lines = [
+        f"# Generated by {_PACKAGE} (do not edit): one parallel loop over",
+        "# every slice of every tensor of a step, running this spec program,",
+        "#",
+        *(f"#   {line}" for line in str(program).splitlines()),
+        "#",
+        f"# lerp variant {tuple(variant)!r}, fused multiply-adds in {sorted(lowering.fused)!r}, "
+        f"sqrt {sqrt_kind},",
+    ]
+    if grad_dtype in LOW_PRECISION or partner_dtype in LOW_PRECISION:
+        lines.append(f"# gradients {grad_dtype}, partners {partner_dtype} (written with the final param),")
+    return lines + [
+        f"# generator version {GENERATOR_VERSION}. The same loop twice: kernel_parallel (njit with",
+        "# parallel=True) and kernel_serial (one thread). Arguments: nthreads; layout (int64: each",
+        "# thread's items, each item's parameter, start and stop, each parameter's row of",
+        "# scalar_rows: numba_engine/layout.py); addresses (int64: a row of data_ptr() per tensor, a",
+        "# column per parameter); scalar_rows (float32: the scalars s_*, then the constants c_*: a",
+        "# Python float literal would make numba compute in float64); sqrt_routine (the address of",
+        "# torch's sqrt routine, vmsSqrt, or 0: the correctly rounded sqrt). Locals: view<r>_<tensor>",
+        "# (its elements in the slice or block), val<r>_<tensor>_<n> (its n-th value, 0 as read),",
+        "# let<n>_<name>, tmp<n> (a sub-expression used twice), arg<k> (the k-th sqrt's argument;",
+        "# args<k> and roots<k>: a block's arguments and roots). See docs/numba-engine.md.",
+    ]
+
+
+def _imports(kernel: _Kernel, block_intrinsics: list, emulations: list) -> list:
+    """The intrinsics the kernels call, from the modules that define them."""
+    lowering, low = kernel.lowering, kernel.low
+    intrinsics = [
+        "f32ptr",
+        *(["fma"] if lowering.uses_fma else []),
+        *block_intrinsics,
+        *(["u16ptr"] if low else []),
+        "wide_vectors",
+    ]
+    conversions = [
+        *([f"widen_{low['grad']}"] if "grad" in low and "grad" in lowering.loads else []),
+        *([f"narrow_{kernel.partner_dtype}"] if kernel.partner_dtype else []),
+    ]
+    lines = [f"from {_PACKAGE}.intrinsics import {', '.join(intrinsics)}"]
+    if emulations:
+        lines.append(f"from {_PACKAGE}.sqrt_emulation import {', '.join(emulations)}")
+    if conversions:
+        lines.append(f"from {_PACKAGE}.conversions import {', '.join(conversions)}")
+    return lines
+
+
+def _kernel_function(name, loop, scratch, setup, inner) -> list:
+    """One kernel: each of ``nthreads`` threads (``thread``) runs its items (``item``: a slice
+    of one parameter's tensors; ``layout``: see ``layout.pack_layout``)."""
+    return [
+        f"def {name}(nthreads, layout, addresses, scalar_rows, sqrt_routine):",
+        f"    for thread in {loop}(nthreads):",
+        "        wide_vectors()",
+        *_indent(scratch, 2),
+        "        for item in range(layout[2 + thread], layout[3 + thread]):",
+        *_indent(setup, 3),
+        *_indent(inner, 3),
+        "",
+        "",
+    ]
+
+
+def _item_setup(row_names) -> list:
+    """An item's parameter, its row of scalars, and its slice ``[start, start + count)``."""
+    return [
+        "item_at = layout[0] + 3 * item",
+        "param_index = layout[item_at]",
+        "row = layout[layout[1] + param_index]",
+        *(f"{name} = scalar_rows[row, {k}]" for k, name in enumerate(row_names)),
+        "start = layout[item_at + 1]",
+        "count = layout[item_at + 2] - start",
+        # the slice's own pointer and a loop from 0: numba then knows no index is negative (no
+        # wraparound code), and LLVM vectorizes the loop
+    ]
+
+
+def _pointer(kernel: _Kernel, tensor: str) -> str:
+    return "u16ptr" if tensor in kernel.low else "f32ptr"
+
+
+def _slice_loop(kernel: _Kernel) -> list:
+    """A program without a sqrt: one loop over the slice, every input read once, every target
+    written once."""
+    lowering = kernel.lowering
+    views = [
+        f"{kernel.view(t)} = carray({_pointer(kernel, t)}(addresses[{r}, param_index] + "
+        f"{kernel.element_size(t)} * start), count)"
+        for r, t in enumerate(kernel.tensors)
+    ]
+    body = [
+        *(f"{lowering.value(t, 0)} = {kernel.load(t, 'i')}" for t in lowering.loads),
+        *(rec.line for rec in lowering.records),
+        *kernel.stores(kernel.targets),
+    ]
+    return [*views, "for i in range(count):", *_indent(body)]
+
+
+def _block_address(row: int, tensor: str) -> str:
+    """The local holding the address of the tensor's block (or of its padded copy)."""
+    return local_name("addr", row, tensor)
+
+
+def _padded_address(row: int, tensor: str) -> str:
+    """The local holding the address of the tensor's zero-padded copy of a partial block."""
+    return local_name("pad", row, tensor)
+
+
+def _block_loop(kernel: _Kernel, sqrt_kind: str):
+    """A program with a sqrt: ``(scratch, loop, intrinsics)``, the slice walked in blocks of
+    SQRT_BLOCK elements (see docs/numba-engine.md: the passes of a block). A slice's last,
+    partial block runs the same passes on zero-padded copies, then copies back what it wrote."""
+    early, passes = sqrt_passes(kernel.lowering, kernel.targets)
+    body, buffers = _block_passes(kernel, early, passes, sqrt_kind)
+    size = {t: kernel.element_size(t) for t in kernel.tensors}
+    addr = {t: _block_address(r, t) for r, t in enumerate(kernel.tensors)}
+    pad = {t: _padded_address(r, t) for r, t in enumerate(kernel.tensors)}
+    at = {
+        t: f"addresses[{r}, param_index] + {size[t]} * (start + block_start)"
+        for r, t in enumerate(kernel.tensors)
+    }
+    prefetch = {t: f"prefetch{_BLOCK_BYTES // 4 * size[t] // 64}" for t in kernel.tensors}
+    written = [t for t in kernel.tensors if t in {*kernel.targets, "partner"}]
+    loop = [
+        f"for block_start in range(0, count, {SQRT_BLOCK}):",
+        *_indent(
+            [
+                f"block_count = min(count - block_start, {SQRT_BLOCK})",
+                *(f"{addr[t]} = {at[t]}" for t in kernel.tensors),
+                # every line of the block PREFETCH_BLOCKS ahead (a hint: never faults)
+                *(
+                    f"{prefetch[t]}({addr[t]} + {PREFETCH_BLOCKS * _BLOCK_BYTES // 4 * size[t]})"
+                    for t in kernel.tensors
+                ),
+                # a partial block: zero-padded copies (a partner is only written: nothing to copy in)
+                f"if block_count < {SQRT_BLOCK}:",
+                *_indent(
+                    f"{addr[t]} = "
+                    + (
+                        pad[t]
+                        if t == "partner"
+                        else f"pad_copy({pad[t]}, {addr[t]}, {size[t]} * block_count, {_BLOCK_BYTES})"
+                    )
+                    for t in kernel.tensors
+                ),
+                *body,
+                f"if block_count < {SQRT_BLOCK}:",
+                *_indent(
+                    f"pad_copy({at[t]}, {pad[t]}, {size[t]} * block_count, {size[t]} * block_count)"
+                    for t in written
+                ),
+            ]
+        ),
+    ]
+    scratch = _scratch(kernel, buffers, pad)
+    return scratch, loop, ["call_sqrt_at", "pad_copy", *sorted(set(prefetch.values()))]
+
+
+def _scratch(kernel: _Kernel, buffers: list, pad: dict) -> list:
+    """One allocation per thread (each np.empty adds to the compile time): the blocks' argument
+    and root buffers, then a zero-padded copy of a partial block per tensor."""
+    return [
+        f"scratch = np.empty({SQRT_BLOCK * (len(buffers) + len(kernel.tensors))}, np.float32)",
+        "scratch_at = scratch.ctypes.data",
+        *(
+            f"{buf} = carray(f32ptr(scratch_at + {_BLOCK_BYTES * n}), {SQRT_BLOCK})"
+            for n, buf in enumerate(buffers)
+        ),
+        *(
+            f"{pad[t]} = scratch_at + {_BLOCK_BYTES * (len(buffers) + r)}"
+            for r, t in enumerate(kernel.tensors)
+        ),
+    ]
+
+
+def _block_passes(kernel: _Kernel, early: list, passes: list, sqrt_kind: str):
+    """``(lines, buffers)``: a block's views, its passes (pass ``k`` stores the ``k``-th
+    sqrt's arguments in ``args<k>``, the roots are taken into ``roots<k>``; the last pass runs
+    with every root and stores the targets), and the scratch buffers they use."""
+    lowering = kernel.lowering
+    lines = [
+        f"{kernel.view(t)} = carray({_pointer(kernel, t)}({_block_address(r, t)}), {SQRT_BLOCK})"
+        for r, t in enumerate(kernel.tensors)
+    ]
+    buffers = []
+    for k, one in enumerate(passes[:-1]):
+        arg = f"arg{k}"
+        # a root of a value pass 0 stores (Adam's exp_avg_sq.sqrt()) is taken from the target's
+        # own block, not from a copy in args<k>
+        stored = [
+            t
+            for t in (early if k == 0 else ())
+            if any(rec.local == arg and rec.expr == lowering.current[t] for rec in one.records)
+        ]
+        args = kernel.view(stored[0]) if stored else f"args{k}"
+        loads = (
+            _pass_loads(kernel, early, one)
+            if k
+            else [f"{lowering.value(t, 0)} = {kernel.load(t, 'i')}" for t in one.loads]
+        )
+        body = [
+            *loads,
+            *(rec.line for rec in one.records if not (stored and rec.local == arg)),
+            *([] if stored else [f"args{k}[i] = {arg}"]),
+            # pass 0 also stores the targets whose final value it has computed
+            *(f"{kernel.view(t)}[i] = {lowering.current[t]}" for t in (early if k == 0 else ())),
+        ]
+        lines += [f"for i in range({SQRT_BLOCK}):", *_indent(body), *_roots(sqrt_kind, args, f"roots{k}")]
+        buffers += [*([] if stored else [f"args{k}"]), f"roots{k}"]
+    last = passes[-1]
+    body = [
+        *_pass_loads(kernel, early, last),
+        *(rec.line for rec in last.records),
+        *kernel.stores([t for t in kernel.targets if t not in early]),
+    ]
+    return lines + [f"for i in range({SQRT_BLOCK}):", *_indent(body)], buffers
+
+
+def _pass_loads(kernel: _Kernel, early: list, one) -> list:
+    """A later pass's loads: its inputs, and the values pass 0 stored that it reads back."""
+    lowering = kernel.lowering
+    needed = frozenset().union(*(rec.uses for rec in one.records))
+    return [
+        *(f"{lowering.value(t, 0)} = {kernel.load(t, 'i')}" for t in one.loads),
+        *(f"{lowering.current[t]} = {kernel.view(t)}[i]" for t in early if lowering.current[t] in needed),
+    ]
+
+
+def _roots(kind: str, args: str, roots: str) -> list:
+    """The lines that take a block's roots, ``args`` -> ``roots`` (SQRT_BLOCK elements, of which
+    the first ``block_count`` are the slice's: the rest is a partial block's zero padding)."""
+    if kind == "routine":  # sqrt_routine == 0: torch's sqrt is correctly rounded
+        return [
+            "if sqrt_routine == 0:",
+            f"    for i in range({SQRT_BLOCK}):",
+            f"        {roots}[i] = np.sqrt({args}[i])",
+            "else:",
+            f"    call_sqrt_at(sqrt_routine, block_count, {args}.ctypes.data, {roots}.ctypes.data)",
+        ]
+    # a block with any lane off the emulation's path goes to the routine whole: no call inside
+    # the loop, whose vector constants then stay in registers (a call clobbers them all). The
+    # last (block_count % SQRT_LANES) elements of a partial block go to the routine on their
+    # own (the emulation is MKL's main loop; these are its remainder).
+    return [
+        f"args_at = {args}.ctypes.data",
+        f"roots_at = {roots}.ctypes.data",
+        "off_path = 0",
+        f"for i in range(0, {SQRT_BLOCK}, {SQRT_LANES}):",
+        f"    off_path |= {EMULATION_INTRINSICS[kind]}(args_at + 4 * i, roots_at + 4 * i)",
+        "if off_path:",
+        f"    call_sqrt_at(sqrt_routine, {SQRT_BLOCK}, args_at, roots_at)",
+        f"grouped = block_count - (block_count & {SQRT_LANES - 1})",
+        "if grouped < block_count:",
+        "    call_sqrt_at(sqrt_routine, block_count - grouped, args_at + 4 * grouped,"
+        " roots_at + 4 * grouped)",
+    ]

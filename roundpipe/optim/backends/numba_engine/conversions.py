@@ -1,0 +1,125 @@
+"""A pairing's dtype conversions (masters.py), as intrinsics: ``widen_bfloat16`` and
+``widen_float16`` (the bits of a bfloat16 or float16, as uint16, to float32: exact) and
+``narrow_bfloat16`` and ``narrow_float16`` (float32 to those bits, as torch's ``copy_`` rounds
+on the CPU: nearest-even, subnormals kept). Integer and float32 operations only (no ``half``
+type, which LLVM may lower to a runtime call), so loops vectorize:
+
+* bfloat16: ``(u + 0x7fff + ((u >> 16) & 1)) >> 16`` of the float32 bits ``u``; every NaN
+  becomes 0xffff (as torch's vectorized and scalar conversions both give it);
+* float16: the branch-free sequences of the FP16 library (M. Dukhan's ``fp16_ieee_from_fp32
+  _value`` / ``fp16_ieee_to_fp32_value``), which round through float32 arithmetic; a NaN becomes
+  ``sign | 0x7e00 | (mantissa >> 13)``, as F16C's ``vcvtps2ph`` (torch's vectorized copy) gives.
+  Widening keeps a NaN's payload and quiets it, as ``vcvtph2ps`` does. Where numba's target has
+  F16C, both are LLVM's ``fptrunc``/``fpext`` through ``half``, which x86 lowers to exactly
+  those two instructions: the same bits (checked: docs/numba-engine.md).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+from .probes import target_features
+
+_I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+
+def _c32(v):
+    """An int32 constant from its unsigned bits."""
+    return ir.Constant(_I32, v - (1 << 32) if v >= 1 << 31 else v)
+
+
+def _f32(v):
+    return ir.Constant(_F32, v)
+
+
+def _widen_bfloat16(builder, h, f16c):
+    return builder.bitcast(builder.shl(builder.zext(h, _I32), _c32(16)), _F32)
+
+
+def _narrow_bfloat16(builder, x, f16c):
+    u = builder.bitcast(x, _I32)
+    lsb = builder.and_(builder.lshr(u, _c32(16)), _c32(1))
+    r = builder.lshr(builder.add(builder.add(u, _c32(0x7FFF)), lsb), _c32(16))
+    nan = builder.fcmp_unordered("uno", x, x)
+    return builder.trunc(builder.select(nan, _c32(0xFFFF), r), _I16)
+
+
+def _widen_float16(builder, h, f16c):
+    if f16c:  # vcvtph2ps
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), _F32)
+    w = builder.shl(builder.zext(h, _I32), _c32(16))
+    sign = builder.and_(w, _c32(0x80000000))
+    two_w = builder.add(w, w)
+    norm = builder.fmul(
+        builder.bitcast(builder.add(builder.lshr(two_w, _c32(4)), _c32(0x70000000)), _F32), _f32(2.0**-112)
+    )
+    denorm = builder.fsub(
+        builder.bitcast(builder.or_(builder.lshr(two_w, _c32(17)), _c32(0x3F000000)), _F32), _f32(0.5)
+    )
+    small = builder.icmp_unsigned("<", two_w, _c32(1 << 27))
+    bits = builder.select(small, builder.bitcast(denorm, _I32), builder.bitcast(norm, _I32))
+    return builder.bitcast(builder.or_(sign, bits), _F32)
+
+
+def _narrow_float16(builder, x, f16c):
+    if f16c:  # vcvtps2ph, rounding as MXCSR says: nearest-even, as torch runs it
+        return builder.bitcast(builder.fptrunc(x, ir.HalfType()), _I16)
+    fabs = builder.module.declare_intrinsic("llvm.fabs", [_F32])
+    base = builder.fmul(builder.fmul(builder.call(fabs, [x]), _f32(2.0**112)), _f32(2.0**-110))
+    w = builder.bitcast(x, _I32)
+    shl1 = builder.add(w, w)
+    sign = builder.and_(w, _c32(0x80000000))
+    bias = builder.and_(shl1, _c32(0xFF000000))
+    bias = builder.select(builder.icmp_unsigned("<", bias, _c32(0x71000000)), _c32(0x71000000), bias)
+    base = builder.fadd(
+        builder.bitcast(builder.add(builder.lshr(bias, _c32(1)), _c32(0x07800000)), _F32), base
+    )
+    bits = builder.bitcast(base, _I32)
+    nonsign = builder.add(
+        builder.and_(builder.lshr(bits, _c32(13)), _c32(0x7C00)), builder.and_(bits, _c32(0x0FFF))
+    )
+    mant = builder.lshr(builder.and_(w, _c32(0x007FFFFF)), _c32(13))
+    nan = builder.or_(_c32(0x7E00), mant)
+    r = builder.or_(
+        builder.lshr(sign, _c32(16)),
+        builder.select(builder.icmp_unsigned(">", shl1, _c32(0xFF000000)), nan, nonsign),
+    )
+    return builder.trunc(r, _I16)
+
+
+def _conversion(name, build, arg_type, result_type, f16c=None):
+    """The intrinsic ``name(x)``: ``build(builder, x, f16c)``; ``f16c`` None: whether numba's
+    target has F16C (without it, LLVM would lower ``half`` to a runtime call)."""
+
+    def conversion(typingctx, x):
+        if x != arg_type:
+            return None
+
+        def codegen(context, builder, signature, args):
+            has_f16c = "f16c" in target_features() if f16c is None else f16c
+            return build(builder, args[0], has_f16c)
+
+        return result_type(arg_type), codegen
+
+    conversion.__name__ = name
+    return intrinsic(conversion)
+
+
+def conversion_intrinsics(f16c=None) -> dict:
+    """The four conversions by name; ``f16c``: True or False forces one form (for tests)."""
+    u16, f32 = types.uint16, types.float32
+    return {
+        "widen_bfloat16": _conversion("widen_bfloat16", _widen_bfloat16, u16, f32, f16c),
+        "widen_float16": _conversion("widen_float16", _widen_float16, u16, f32, f16c),
+        "narrow_bfloat16": _conversion("narrow_bfloat16", _narrow_bfloat16, f32, u16, f16c),
+        "narrow_float16": _conversion("narrow_float16", _narrow_float16, f32, u16, f16c),
+    }
+
+
+_target_form = conversion_intrinsics()
+widen_bfloat16 = _target_form["widen_bfloat16"]
+widen_float16 = _target_form["widen_float16"]
+narrow_bfloat16 = _target_form["narrow_bfloat16"]
+narrow_float16 = _target_form["narrow_float16"]

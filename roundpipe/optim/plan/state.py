@@ -1,0 +1,86 @@
+"""The optimizer state a plan reads: created where missing (``create_state``), put in flat
+buffers when nobody has seen it yet (``adopt_flat_state``), and removed again when a step fails
+(``rollback``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensors import PLAIN_TYPES, contiguous_run
+
+
+def create_state(spec, group, params, state, created):
+    """Each parameter's state dict (created by ``spec.init_state`` where missing) and init flags:
+    ``(states, init_flags, new_positions)``, ``new_positions`` the parameters whose state this
+    call created from nothing. Appends ``(param, state dict, entries it had, whether it was
+    added to state)`` to ``created`` for each dict it changed."""
+    states, init_flags, new_positions = [], [], []
+    for i, p in enumerate(params):
+        st = state.get(p)
+        had_none = st is None
+        if had_none:
+            st = {}
+        n_before = len(st)
+        flags = spec.init_state(group, p, st) or {}
+        if p.is_complex():  # torch rounds some ops differently on complex tensors
+            flags = {**flags, "complex": True}
+        init_flags.append(flags)
+        if len(st) != n_before:
+            if had_none:
+                state[p] = st  # torch creates state only where it stores something
+            created.append((p, st, n_before, had_none))
+            if n_before == 0:
+                new_positions.append(i)
+        states.append(st)
+    return states, init_flags, new_positions
+
+
+def adopt_flat_state(params, states, names, below, scalar_names=()):
+    """Put state tensors nobody has seen yet in one flat buffer per name, each parameter's entry
+    a view of it (values copied): ``names`` of the small plain float32 parameters (under
+    ``below`` elements), and the 0-d ``scalar_names`` (``step``, ...) of all of them. A backend
+    that batches small parameters then steps the buffers in place instead of gathering and
+    scattering the state every step, and a step sets every ``step`` with one op. Called only on
+    state just created by a step, or by torch's ``__init__`` (Adagrad).
+
+    The entries stay ordinary tensors of the parameter's shape: ``state_dict()``, ``torch.save``
+    (which stores a shared buffer once) and ``load_state_dict`` both ways work as before. State
+    loaded with ``load_state_dict`` is stepped where it is (gathered and scattered each step).
+    Returns whether anything moved.
+    """
+    small = [
+        i
+        for i, p in enumerate(params)
+        if 0 < p.numel() < below and type(p) in PLAIN_TYPES and p.dtype is torch.float32
+    ]
+    members_by_name = [(n, small) for n in names] + [(n, range(len(params))) for n in scalar_names]
+    moved = False
+    for name, members in members_by_name:
+        tensors = [states[i][name] for i in members]
+        if len(tensors) < 2 or any(type(t) not in PLAIN_TYPES for t in tensors) or _tiled(tensors):
+            continue
+        dtype = tensors[0].dtype
+        if any(t.dtype != dtype for t in tensors):
+            continue
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype)
+        views = [
+            v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)
+        ]
+        torch._foreach_copy_(views, tensors)
+        for i, v in zip(members, views, strict=True):
+            states[i][name] = v
+        moved = True
+    return moved
+
+
+def _tiled(tensors) -> bool:
+    return contiguous_run(tensors) is not None
+
+
+def rollback(state, created):
+    """Remove the state entries a failed step created (``created`` from ``build``)."""
+    for p, st, n_before, had_none in reversed(created):
+        for key in list(st)[n_before:]:
+            del st[key]
+        if had_none and state.get(p) is st:
+            del state[p]

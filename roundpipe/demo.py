@@ -1,7 +1,7 @@
 """Demo: train a small GPT-style language model with roundpipe's AdamW and torch's, side by side.
 
     python -m roundpipe.demo [--steps 30] [--threads N] [--backend fast] [--compare fast:torch,...]
-                             [--small]
+                             [--small] [--mixed float16|bfloat16]
 
 Identical copies of one model (``build_model``: token and position embeddings, pre-LayerNorm
 transformer blocks with separate q/k/v/o projections, an untied output head: about 29M
@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roundpipe import demo_mixed
 from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim.bench.engine import FallbackWatch, fast_engine
@@ -211,6 +212,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--small", action="store_true", help="a tiny model (for tests: seconds)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mixed",
+        choices=("float16", "bfloat16"),
+        help="instead: the model in this dtype with fp32 masters, loss scaling (float16) and clipping, "
+        "against the same loop with torch.optim and explicit casts (roundpipe/demo_mixed.py)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -231,6 +238,8 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed + 1)
     data = synthetic_tokens(vocab, context, 64 * batch, gen)
     model = build_model(size)
+    if args.mixed:
+        return demo_mixed.run(args, model, data, gen, HYPER, batch, args.backend)
     sizes = sorted(p.numel() for p in model.parameters())
     runs = {}
     for name, make in kinds.items():

@@ -21,6 +21,7 @@ Where things live:
 * the API: ``roundpipe/optim/optimizer.py``; masters and partners: ``roundpipe/optim/masters.py``.
 """
 
+from .amp import GradScaler, clip_grad_norm_
 from .masters import fp32_masters, pair, partner_of, unpair
 from .optimizer import RoundpipeOptimizer
 from .spec import SPECS
@@ -46,7 +47,9 @@ globals().update({name: _optimizer_class(spec) for name, spec in SPECS.items()})
 
 __all__ = [
     *SPECS,
+    "GradScaler",
     "RoundpipeOptimizer",
+    "clip_grad_norm_",
     "fp32_masters",
     "get_num_threads",
     "pair",

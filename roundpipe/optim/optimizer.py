@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-from . import backends, torch_support
+from . import amp, backends, torch_support
 from .masters import partner_of
 from .plan import adopt_flat_state, rollback
 from .plan import build as build_plan
@@ -43,6 +43,9 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
     """Base of the ``roundpipe.optim`` classes; subclasses set ``spec``."""
 
     spec = None  # an OptimizerSpec
+    # torch's GradScaler hands the unscale and its inf check to the step (amp.py)
+    _step_supports_amp_scaling = True
+    _roundpipe_folds_grad_factors = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -90,10 +93,18 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
     # the same hooks (_hooked_step) for less, which a step of one parameter pays
     step.hooked = True
 
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        """``torch.nn.utils.clip_grad_norm_`` over every gradient the next step reads, the
+        masters' partners' included (widened, unscaled): returns the total norm; the next step
+        applies the clip coefficient in its own pass (``roundpipe.optim.amp``)."""
+        return amp.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
     @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True):
         """torch's ``zero_grad``, and the same for the gradients of the masters' partners
-        (``roundpipe.optim.pair``): the step reads those."""
+        (``roundpipe.optim.pair``): the step reads those. A clip or unscale recorded for the
+        next step is dropped with the gradients it was computed from."""
+        amp.clear(self)
         super().zero_grad(set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
@@ -132,7 +143,7 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
             flags = {**flags, **{k: v for k, v in computed.items() if type(v) is bool}}
         return scratch, values, flags
 
-    def _schedule(self, plan, grads):
+    def _schedule(self, plan, grads, factors=None):
         """Each unit's scalars (on scratch copies of its 0-d state) and the step's launches: one
         per distinct program, over every unit that runs it. Writes nothing. None when a unit's
         0-d state has stopped being uniform (the plan is rebuilt)."""
@@ -144,6 +155,8 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                 if not unit.uniform():
                     return None
                 scratch, values, flags = self._unit_scalars(gp, unit)
+                if factors:
+                    flags, values = _with_factors(factors, unit, flags, values)
                 writeback.append((unit, scratch))
                 memo = plan.cache.get(unit)  # the unit's last flags and their program
                 if memo is not None and memo[0] == flags:
@@ -213,10 +226,27 @@ class _Replay:
         self.entries = entries  # (group plan, group index, unit, flags, backend's handle)
 
 
+def _with_factors(factors, unit, flags, values):
+    """A unit's flags and scalars with the gradient factors its gradients take (``amp.py``):
+    a partner's low-precision gradient, or its own."""
+    found = factors.for_pairing(unit.pairing[0] is not torch.float32)
+    if not found:
+        return flags, values
+    flags = {**flags, "grad_factors": len(found)}
+    return flags, {**values, **{f"grad_factor_{i}": f for i, f in enumerate(found)}}
+
+
 def _run_step(opt):
+    factors = amp.begin_step(opt)  # raises before anything moves where scaling cannot be seen
+    if factors is not None:  # None: an inf or NaN under loss scaling, the step modifies nothing
+        _run_plan(opt, factors)
+    amp.clear(opt)  # (a step that raised keeps what was recorded for it: it changed nothing)
+
+
+def _run_plan(opt, factors):
     plan = opt.__dict__.get("_roundpipe_plan")
     grads = plan.check(opt, opt.spec) if plan is not None else None
-    if grads is not None and plan.replay is not None:
+    if grads is not None and plan.replay is not None and not factors:
         try:
             ready = opt._replay_schedule(plan, grads)
         except BaseException:
@@ -238,12 +268,12 @@ def _run_step(opt):
             plan, grads, created = build_plan(opt, opt.spec, backend)
             opt._roundpipe_plan = plan
         plan.replay = None
-        schedule = opt._schedule(plan, grads)
+        schedule = opt._schedule(plan, grads, factors)
         if schedule is None:  # a unit's 0-d state is no longer uniform: re-bucket
             plan, grads, more = build_plan(opt, opt.spec, backend)
             created += more
             opt._roundpipe_plan = plan
-            schedule = opt._schedule(plan, grads)
+            schedule = opt._schedule(plan, grads, factors)
         writeback, launches = schedule
         # every launch of the step is prepared (compiled, its workspace allocated) before any
         # is run: if one cannot start, none does
@@ -260,7 +290,8 @@ def _run_step(opt):
     for launch in ready:
         launch()
     if (
-        not plan.valid_for_one_step
+        not factors
+        and not plan.valid_for_one_step
         and hasattr(backend, "replay_handle")
         and all(sole_unit for *_, sole_unit in launches)
     ):

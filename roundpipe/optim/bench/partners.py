@@ -14,6 +14,14 @@ times the normal mode:
 * ``torch composition``: the composition with ``torch.optim.<Name>(fused=True)`` where torch has
   a CPU kernel, else its for-loop.
 
+With ``--amp``, every configuration runs the optimizer phase of a mixed-precision training
+step around it (``roundpipe.optim.amp``): with float16 partners loss scaling and clipping, with
+bfloat16 clipping (``MAX_NORM``, which clips the workloads' gradients). The compositions
+unscale (``GradScaler.unscale_``) and clip (``torch.nn.utils.clip_grad_norm_``) the widened
+fp32 gradients in place; ``fused`` runs ``roundpipe.optim.GradScaler`` and
+``opt.clip_grad_norm_``, which read the partners' gradients once each and fold the unscale and
+the clip coefficient into the step.
+
 Before timing, ``check`` steps ``fused`` and ``composition`` twice from the same inputs and
 compares the masters, the partners and every state tensor bit for bit.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from roundpipe.optim import GradScaler
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim.masters import fp32_masters, unpair
 
@@ -36,6 +45,8 @@ WORKLOADS = ("large", "small", "transformer")  # what --partners times (no one-p
 CONFIGS = ("composition", "fused", "torch composition")
 COMPOSITION, PAIRED, TORCH_COMPOSITION = CONFIGS
 STEPS_CHECKED = 2
+MAX_NORM = 1.0  # --amp: the clip threshold (the workloads' gradient norms are far above it)
+INIT_SCALE = 2.0**10  # --amp with float16: the loss scale the gradients are taken to carry
 
 
 class Partnered:
@@ -44,7 +55,7 @@ class Partnered:
     ``torch_path``: torch's configuration (``workloads.FUSED`` or ``LOOP``) for
     ``torch composition``."""
 
-    def __init__(self, config, name, base_params, base_grads, dtype, torch_path=LOOP):
+    def __init__(self, config, name, base_params, base_grads, dtype, torch_path=LOOP, amp=False):
         self.partners = [torch.nn.Parameter(p.to(dtype)) for p in base_params]
         for q, g in zip(self.partners, base_grads, strict=True):
             q.grad = g.to(dtype)
@@ -59,23 +70,38 @@ class Partnered:
         opt_config = torch_path if config == TORCH_COMPOSITION else "rp " + rp_backends.DEFAULT
         self.opt = make_optimizer(opt_config, name, self.masters)
         self.state = self.opt.state
+        self.clip = amp
+        self.scaler = None
+        if amp and dtype is torch.float16:
+            scaler_cls = GradScaler if config == PAIRED else torch.amp.GradScaler
+            self.scaler = scaler_cls("cpu", init_scale=INIT_SCALE)
 
     @torch.no_grad()
     def step(self):
-        if self.grads is None:
+        if self.grads is not None:
+            torch._foreach_copy_(self.grads, self.partner_grads)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        if self.clip:
+            if self.grads is None:
+                self.opt.clip_grad_norm_(MAX_NORM)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
             self.opt.step()
-            return
-        torch._foreach_copy_(self.grads, self.partner_grads)
-        self.opt.step()
-        torch._foreach_copy_(self.partners, self.masters)
+        if self.grads is not None:
+            torch._foreach_copy_(self.partners, self.masters)
 
 
-def check(name, dtype, base_params, base_grads, steps: int = STEPS_CHECKED) -> str | None:
+def check(name, dtype, base_params, base_grads, steps: int = STEPS_CHECKED, amp=False) -> str | None:
     """None if ``fused`` equals ``composition`` bit for bit after ``steps`` steps (masters,
     partners, every state tensor), else the first difference (or the error)."""
     try:
-        fused = Partnered(PAIRED, name, base_params, base_grads, dtype)
-        composed = Partnered(COMPOSITION, name, base_params, base_grads, dtype)
+        fused = Partnered(PAIRED, name, base_params, base_grads, dtype, amp=amp)
+        composed = Partnered(COMPOSITION, name, base_params, base_grads, dtype, amp=amp)
         for _ in range(steps):
             composed.step()
             fused.step()
@@ -87,16 +113,16 @@ def check(name, dtype, base_params, base_grads, steps: int = STEPS_CHECKED) -> s
         return f"{type(e).__name__}: {e}".strip()
 
 
-def bench_row(name, dtype_name, torch_fused, base_params, base_grads, warmup, repeats, wl) -> Row:
+def bench_row(name, dtype_name, torch_fused, base_params, base_grads, warmup, repeats, wl, amp=False) -> Row:
     """The check (``row.checks["fused"]``), then the three configurations timed by ``bench_one``."""
     dtype = DTYPES[dtype_name]
-    verdict = check(name, dtype, base_params, base_grads)
+    verdict = check(name, dtype, base_params, base_grads, amp=amp)
     if verdict is not None:
         log(f"  [{wl}] {name} fused: MISMATCH with the composition: {verdict}")
     path = FUSED if torch_fused else LOOP
 
     def make(config):
-        return Partnered(config, name, base_params, base_grads, dtype, path)
+        return Partnered(config, name, base_params, base_grads, dtype, path, amp=amp)
 
     row = bench_one(name, CONFIGS, base_params, base_grads, warmup, repeats, wl, make=make)
     row.checks[PAIRED] = verdict
@@ -110,7 +136,7 @@ def bench_row(name, dtype_name, torch_fused, base_params, base_grads, warmup, re
 def derived(row: Row, meta: dict) -> dict:
     """Bytes per element of each configuration, the speedup of ``fused`` over ``composition``
     (and over ``torch composition``), the traffic ratio and the check's verdict."""
-    nbytes = partner_bytes(row.optimizer, DTYPES[meta["partners"]])
+    nbytes = partner_bytes(row.optimizer, DTYPES[meta["partners"]], meta.get("amp", False))
     ms = row.median_ms
     composed, fused, torch_composed = (ms.get(c) for c in CONFIGS)
     ok = row.checks.get(PAIRED) is None
@@ -156,7 +182,7 @@ def format_table(wl: str, res: dict, meta: dict) -> str:
     return "\n".join(
         [
             f"workload {wl}: {res['description']}; {res['tensors']} tensors, {res['numel']:,} elements",
-            f"median ms per step, fp32 masters with {dtype} partners "
+            f"median ms per step, fp32 masters with {dtype} partners{_amp_words(meta)} "
             "(speedup: composition / fused; traffic: composition / fused B/elem):",
             *_table([*head, "traffic"], lines),
             f"bit for bit, fused vs composition after {STEPS_CHECKED} steps "
@@ -164,6 +190,12 @@ def format_table(wl: str, res: dict, meta: dict) -> str:
             *verdicts,
         ]
     )
+
+
+def _amp_words(meta) -> str:
+    if not meta.get("amp"):
+        return ""
+    return ", loss scaling and clipping" if meta["partners"] == "float16" else ", clipping"
 
 
 def report(result: dict) -> str:

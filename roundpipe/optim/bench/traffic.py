@@ -59,17 +59,26 @@ def bytes_per_element(name: str) -> tuple[int, tuple[str, ...], tuple[str, ...]]
     return ELEMENT_BYTES * (len(read) + len(written)), read, written
 
 
-def partner_bytes(name: str, dtype: torch.dtype) -> dict[str, int]:
+def partner_bytes(name: str, dtype: torch.dtype, amp: bool = False) -> dict[str, int]:
     """Minimal bytes per element of a steady-state step of ``name`` on fp32 masters paired with
     ``dtype`` partners (``--partners``), by configuration: ``fused``, the one pass, moves the
     master's traffic with the gradient read at ``dtype``'s size instead of 4, plus the partner's
     write; ``composition`` (and ``torch composition``) is the master's step plus the widen pass
     (read the partner's gradient, write the fp32 one) and the round-back pass (read the master,
-    write the partner)."""
+    write the partner).
+
+    ``amp`` (``--amp``): clipping, and with float16 loss scaling, around the step. The
+    composition adds the norm (read 4) and the clip (read 4, write 4), and with float16 the
+    unscale with its inf check (read 4, write 4); ``fused`` adds one read of the low-precision
+    gradients for the norm, and with float16 one more for the inf check."""
     master, read, written = bytes_per_element(name)
     if "grad" not in read or "param" not in written:
         raise ValueError(f"{name}'s program does not read grad and write param: {read} -> {written}")
     low = dtype.itemsize
     fused = master - ELEMENT_BYTES + low + low
     composition = master + (low + ELEMENT_BYTES) + (ELEMENT_BYTES + low)
+    if amp:
+        scaled = dtype is torch.float16
+        composition += 3 * ELEMENT_BYTES + (2 * ELEMENT_BYTES if scaled else 0)
+        fused += low + (low if scaled else 0)
     return {"composition": composition, "fused": fused, "torch composition": composition}

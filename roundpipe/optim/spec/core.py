@@ -91,10 +91,24 @@ class OptimizerSpec:
                 if prog is None:
                     o = Options(dict(options))
                     b = ProgramBuilder(self.inputs(o))
+                    gradient_factors(b, o.get("grad_factors", 0))
                     self.build(o, b)
                     prog = b.build()
                     self._cache[key] = prog
         return prog
+
+
+def gradient_factors(b: ProgramBuilder, count: int) -> None:
+    """The option ``grad_factors``: the gradient the update reads is ``grad`` multiplied by
+    ``count`` per-step scalars ``grad_factor_0, 1 ...`` in turn, each product rounded to float32.
+    That is what torch's loss scaling (``GradScaler``'s unscale: ``grad * (1 / scale)``) and
+    clipping (``clip_grad_norm_``: ``grad * clip_coef``) do to ``p.grad`` in place before a
+    step, in the order they ran; here they are folded into the step's own pass."""
+    grad = b.tensor("grad")
+    for i in range(count):
+        grad = b.let("grad", grad * getattr(b.s, f"grad_factor_{i}"))
+    if count:
+        b.alias("grad", grad)
 
 
 # Helpers shared by the specs' state initialisers and scalar functions: the same calls torch

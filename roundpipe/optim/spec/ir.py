@@ -316,11 +316,18 @@ class ProgramBuilder:
         self.statements: list = []
         self.s = _ScalarNamespace()
         self._lets: dict[str, int] = {}
+        self._aliases: dict[str, Tensor] = {}
 
     def tensor(self, name: str) -> Tensor:
         if name not in self.inputs:
             raise KeyError(f"{name!r} is not an input of this program: {self.inputs}")
-        return Tensor(name)
+        return self._aliases.get(name) or Tensor(name)
+
+    def alias(self, name: str, value: Tensor) -> None:
+        """Make ``tensor(name)`` return ``value`` (a let) from now on: what the spec reads as its
+        input is then computed from it (the gradient as loss scaling and clipping leave it)."""
+        self.tensor(name)
+        self._aliases[name] = value
 
     def let(self, name: str, expr) -> Tensor:
         """Name a temporary; re-using a name shadows the earlier one (like ``grad = ...``)."""

@@ -1,0 +1,224 @@
+"""Loss scaling and gradient clipping with fp32 masters: ``GradScaler`` and ``clip_grad_norm_``.
+
+A step reads each master's gradient from its partner (``masters.py``), in bfloat16 or float16,
+where torch's ``GradScaler`` and ``torch.nn.utils.clip_grad_norm_`` never look: they read
+``p.grad`` of the optimizer's parameters. Their meaning here is the composition a user would
+write with torch.optim: widen each partner's gradient into an fp32 master gradient, unscale it
+(``GradScaler``), clip it (``clip_grad_norm_``), step, round the master back into the partner.
+
+Both fold into the step instead of writing gradients: each records a factor (``1 / scale``, the
+clip coefficient) that the next step multiplies the gradient by, in float32 and in the order
+they ran, inside its own pass (the spec option ``grad_factors``), so the stepped result equals
+the composition bit for bit. ``.grad`` keeps what backward wrote, except where torch's
+contract says otherwise: ``scaler.unscale_(opt)`` unscales the fp32 gradients of unpaired
+parameters in place, as torch does, so a user may clip those with torch afterwards.
+
+* ``GradScaler``: ``torch.amp.GradScaler`` that also checks the partners' gradients for
+  inf/NaN (the scale backs off, the step is skipped) and records their unscale. The optimizers
+  declare ``_step_supports_amp_scaling`` (torch's contract for optimizers that unscale inside
+  their step): torch's own ``GradScaler`` then works as well where no parameter is paired, and
+  where one is, the step raises before anything moves instead of stepping scaled gradients.
+* ``clip_grad_norm_(opt, max_norm, ...)`` (also ``opt.clip_grad_norm_``): the total norm of
+  every gradient the next step reads (partners widened and unscaled), as torch computes it
+  (``torch._foreach_norm`` per tensor, then the norm of the norms); returns it as a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .masters import partner_of
+
+# an optimizer's pending factors, by who reads the gradient: its own ``.grad`` or a partner's
+_FACTORS = "_roundpipe_grad_factors"
+_CHECKED = "_roundpipe_partners_checked"  # this iteration's inf check saw the partners' grads
+
+
+class GradFactors:
+    """The per-step factors waiting for the next step, in the order they were recorded."""
+
+    __slots__ = ("own", "partner")
+
+    def __init__(self):
+        self.own: list = []  # float32 values, as Python floats
+        self.partner: list = []
+
+    def add(self, value: float, own: bool = True, partner: bool = True) -> None:
+        if own:
+            self.own.append(value)
+        if partner:
+            self.partner.append(value)
+
+    def copy(self) -> GradFactors:
+        other = GradFactors()
+        other.own, other.partner = list(self.own), list(self.partner)
+        return other
+
+    def for_pairing(self, paired: bool) -> tuple:
+        return tuple(self.partner if paired else self.own)
+
+    def __bool__(self):
+        return bool(self.own or self.partner)
+
+
+def pending(opt) -> GradFactors:
+    factors = opt.__dict__.get(_FACTORS)
+    if factors is None:
+        factors = opt.__dict__[_FACTORS] = GradFactors()
+    return factors
+
+
+def clear(opt) -> None:
+    opt.__dict__.pop(_FACTORS, None)
+    opt.__dict__.pop(_CHECKED, None)
+
+
+def _gradients(opt):
+    """``(gradient, from a partner)`` for every parameter whose gradient the next step reads:
+    its own ``.grad``, else its partner's (``masters.py``)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield p.grad, False
+                continue
+            q = partner_of(p)
+            if q is not None and q.grad is not None:
+                yield q.grad, True
+
+
+def _partner_grads(opt) -> list:
+    return [g for g, paired in _gradients(opt) if paired]
+
+
+def begin_step(opt):
+    """What loss scaling asks of this step (nothing recorded changes; ``clear`` after it ran):
+    ``None`` to skip it (an inf or NaN gradient: it
+    modifies nothing, as torch's GradScaler skips the step), else the pending factors (with
+    this step's unscale added when the scaler left it to the step). Raises, before anything
+    moves, under torch's own GradScaler when a partner's gradient would be stepped unseen."""
+    found_inf = getattr(opt, "found_inf", None)
+    scaling = found_inf is not None or "grad_scale" in opt.__dict__
+    if not scaling:
+        return pending(opt)
+    if not opt.__dict__.get(_CHECKED) and _partner_grads(opt):
+        raise RuntimeError(
+            f"roundpipe.optim.{type(opt).__name__}: torch.amp.GradScaler reads only param.grad, and "
+            "this optimizer steps fp32 masters whose gradients live on their low-precision partners "
+            "(roundpipe.optim.pair / fp32_masters): it would step them scaled and miss their infs. "
+            "Use roundpipe.optim.GradScaler, a drop-in subclass that sees them."
+        )
+    if found_inf is not None and float(found_inf) != 0:
+        return None
+    factors = pending(opt)
+    grad_scale = getattr(opt, "grad_scale", None)
+    if grad_scale is not None:  # the scaler left the unscale to this step: every gradient
+        factors = factors.copy()
+        factors.add(_inverse(grad_scale))
+    return factors
+
+
+def _inverse(scale) -> float:
+    """GradScaler's ``inv_scale``: ``scale.double().reciprocal().float()``."""
+    return float(scale.double().reciprocal().float())
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for roundpipe optimizers with fp32 masters: the same API and
+    scale history, and the inf/NaN check and unscale cover the partners' gradients, which
+    ``torch.amp.GradScaler`` cannot see. With any other optimizer it is torch's."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        grads = _partner_grads(optimizer) if _is_roundpipe(optimizer) else []
+        if not grads:
+            return per_device
+        optimizer.__dict__[_CHECKED] = True
+        # read only: the partners' gradients stay scaled in their low precision, as in the
+        # composition (where the fp32 master gradients are unscaled), and the largest magnitude
+        # of each is finite exactly when all its elements are
+        found = per_device.get(found_inf.device, found_inf)
+        with torch.no_grad():
+            largest = _norms([g for g in grads if g.numel()], float("inf")) or [torch.zeros(())]
+            if not bool(torch.stack(largest).isfinite().all()):
+                found.fill_(1.0)
+        return {**per_device, found.device: found}
+
+    def unscale_(self, optimizer):
+        super().unscale_(optimizer)
+        if self._enabled and _is_roundpipe(optimizer) and _partner_grads(optimizer):
+            # the unpaired fp32 gradients are unscaled in place now (torch's contract); the
+            # partners' when the step (or clip_grad_norm_) widens them
+            pending(optimizer).add(_inverse(self._scale), own=False)
+
+
+def _is_roundpipe(optimizer) -> bool:
+    """A roundpipe optimizer (it folds the factors into its step), without importing it."""
+    return getattr(optimizer, "_roundpipe_folds_grad_factors", False)
+
+
+@torch.no_grad()
+def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """``torch.nn.utils.clip_grad_norm_`` over every gradient the next step of ``opt`` reads,
+    partners' included, widened to float32 and unscaled as the composition has them. Returns
+    the total norm (a tensor); the clip coefficient is applied by the next step, in its pass,
+    instead of being written into the gradients now. ``foreach`` is accepted for torch's
+    signature: the norms are torch's foreach norms either way (equal on the CPU)."""
+    norm_type = float(norm_type)
+    max_norm = float(max_norm)
+    factors = pending(opt)
+    grads = list(_gradients(opt))
+    norms = [None] * len(grads)  # in the parameters' order, as torch stacks them
+    for paired in (False, True):
+        at = [i for i, (_, p) in enumerate(grads) if p is paired]
+        if at:
+            found = _norms([grads[i][0] for i in at], norm_type, factors.for_pairing(paired))
+            for i, n in zip(at, found, strict=True):
+                norms[i] = n
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack([_local(n) for n in norms]), norm_type)
+    if error_if_nonfinite and (total.isnan() or total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+            "anyway, set `error_if_nonfinite=False`"
+        )
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if float(clip_coef) != 1.0:  # a factor of 1 changes no bits: no factor
+        factors.add(float(clip_coef))
+    return total
+
+
+# norms that commute with a power-of-two factor: torch accumulates in double, where scaling every
+# element by 2**k scales every partial sum and the root exactly
+_SCALABLE = (1.0, 2.0, float("inf"))
+
+
+def _norms(grads, norm_type, factors=()):
+    """Each gradient's norm as ``torch.linalg.vector_norm`` of the float32 gradient the step
+    reads (widened, times ``factors``) computes it, bit for bit. Where that allows, a read of
+    the gradients as they are (torch widens on load) and the factors applied to the norms;
+    otherwise the widened, scaled gradient is made one tensor at a time."""
+    if norm_type in _SCALABLE and all(math.frexp(f)[0] == 0.5 for f in factors):
+        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+        for f in factors:
+            norms = torch._foreach_mul(norms, torch.tensor(f, dtype=torch.float32))
+        return list(norms)
+    return [torch.linalg.vector_norm(_as_stepped(g, factors), norm_type) for g in grads]
+
+
+def _as_stepped(g, factors):
+    """The float32 gradient the step would read: widened, times the pending factors."""
+    if g.dtype is not torch.float32:
+        g = g.float()
+    for f in factors:
+        g = g * torch.tensor(f, dtype=torch.float32)
+    return g
+
+
+def _local(norm):
+    """A DTensor's norm (FSDP2) reduced over its mesh: every rank gets the same total."""
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm

@@ -143,3 +143,94 @@ def run_parallel(work, fn, n: int) -> None:
             error = error or e
     if error is not None:
         raise error
+
+
+# ---------------------------------------------------------------------------------------------
+# Which OpenMP runtime runs the compiled engine's parallel regions (issue 34)
+#
+# numba's OpenMP layer (``numba/np/ufunc/omppool``) names ``libgomp.so.1.0.0`` as its dependency;
+# torch's wheel has already loaded its own libgomp (soname ``libgomp.so.1``), which the loader
+# does not take for that name, so the system's libgomp gets mapped too. It does not run: torch
+# loads its libgomp into the global scope (``libtorch_global_deps``, RTLD_GLOBAL), which the
+# loader searches before a library's own dependencies, so omppool's ``GOMP_parallel``,
+# ``omp_get_thread_num`` and the rest bind to torch's (LD_DEBUG=bindings; measured with torch
+# 2.13 and numba 0.68: only ``omp_get_supported_active_levels``, which torch's older libgomp
+# lacks, binds to the second one) and one pool of threads serves torch and the kernels. The
+# second runtime is mapped, initialized (its constructor reads the environment) and, to
+# threadpoolctl, a second "openmp" pool of its own that never starts a thread. These helpers
+# say which is which, for the bench header and the engine's debug log.
+
+_OPENMP_PREFIXES = ("libgomp", "libiomp", "libomp")
+
+
+def openmp_runtimes() -> list:
+    """The OpenMP runtime libraries mapped into this process (real paths, sorted; Linux's
+    ``/proc/self/maps``; an empty list where it cannot be read)."""
+    found = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                name = os.path.basename(path)
+                if path.startswith("/") and name.startswith(_OPENMP_PREFIXES) and ".so" in name:
+                    found.add(os.path.realpath(path))
+    except OSError:
+        return []
+    return sorted(found)
+
+
+def _defining_file(symbol: str) -> str | None:
+    """The file whose definition of ``symbol`` a library loaded now would bind to first (the
+    global scope's: ``dlsym(RTLD_DEFAULT)``), or None."""
+    import ctypes
+
+    class _DlInfo(ctypes.Structure):
+        _fields_ = [
+            ("dli_fname", ctypes.c_char_p),
+            ("dli_fbase", ctypes.c_void_p),
+            ("dli_sname", ctypes.c_char_p),
+            ("dli_saddr", ctypes.c_void_p),
+        ]
+
+    try:
+        libc = ctypes.CDLL(None)
+        address = ctypes.cast(getattr(libc, symbol), ctypes.c_void_p).value
+        dladdr = libc.dladdr
+    except (AttributeError, OSError):
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    info = _DlInfo()
+    if not address or not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(info.dli_fname.decode(errors="replace"))
+
+
+def threading_report() -> dict:
+    """What runs a parallel step of the compiled engine, for the bench header and debug logs:
+    ``layer`` (numba's threading layer once its pool has started, else None), ``openmp`` (the
+    OpenMP runtimes mapped), ``gomp_parallel`` (the runtime whose ``GOMP_parallel`` numba's
+    OpenMP layer calls: the global scope's, torch's when torch is imported first), and
+    ``summary``, one line saying it. Reads state only: starts no pool, imports numba only if
+    it is imported already."""
+    import sys
+
+    numba = sys.modules.get("numba")
+    layer = None
+    if numba is not None:
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel launch yet
+            layer = None
+    runtimes = openmp_runtimes()
+    gomp = _defining_file("GOMP_parallel")
+    if layer is None:
+        summary = "numba's pool not started"
+    elif layer == "omp":
+        summary = f"numba omp on {gomp or 'an unknown runtime'}"
+    else:
+        summary = f"numba {layer}"
+    idle = [r for r in runtimes if r != gomp] if layer == "omp" and gomp else []
+    if idle:
+        summary += f" (also mapped, no threads: {', '.join(idle)})"
+    summary += f"; OpenMP runtimes mapped: {len(runtimes)}"
+    return {"layer": layer, "openmp": runtimes, "gomp_parallel": gomp, "summary": summary}

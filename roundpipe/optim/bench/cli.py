@@ -16,6 +16,7 @@ import numexpr
 import numpy as np
 import torch
 
+import roundpipe.optim.threads as rp_threads
 from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
 
@@ -95,12 +96,15 @@ def run(args, busy_pids=()) -> dict:
         "options": {n: dict(OPTIONS[n]) for n in args.optimizers},
         "fused_available": fused,
         "partners": partners_dtype,
+        "amp": bool(getattr(args, "amp", False)),
         "argv": sys.argv[1:],
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     engines = f"{', '.join(args.backends)}, for-loop, foreach, fused"
     if partners_dtype:
         engines = f"{partners_dtype} partners: {', '.join(partners.CONFIGS)}"
+        if meta["amp"]:
+            engines += ", " + ("loss scaling and clipping" if partners_dtype == "float16" else "clipping")
     log(
         f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
         f"roundpipe {meta['roundpipe_threads']}; warm-up {warmup}, repetitions {repeats}; "
@@ -123,7 +127,15 @@ def run(args, busy_pids=()) -> dict:
                 t0 = time.perf_counter()
                 if partners_dtype:
                     row = partners.bench_row(
-                        name, partners_dtype, fused[name], base_params, base_grads, warmup, repeats, wl.name
+                        name,
+                        partners_dtype,
+                        fused[name],
+                        base_params,
+                        base_grads,
+                        warmup,
+                        repeats,
+                        wl.name,
+                        amp=meta["amp"],
                     )
                 else:
                     row = bench_row(
@@ -152,6 +164,7 @@ def run(args, busy_pids=()) -> dict:
     bandwidth = summarize_bandwidth(bw_samples, bw_numel)
     meta["elapsed_s"] = time.perf_counter() - t_start
     meta["thread_pools"] = thread_pools()
+    meta["threading"] = rp_threads.threading_report()["summary"]
     return {"meta": meta, "bandwidth": bandwidth, "workloads": results}
 
 
@@ -305,6 +318,12 @@ def parse_args(argv=None):
         "and torch's composition, after checking fused equals the composition bit for bit",
     )
     p.add_argument(
+        "--amp",
+        action="store_true",
+        help="with --partners: the whole optimizer phase of mixed-precision training, loss scaling "
+        "(float16) and clipping, folded into the fused step against the composition",
+    )
+    p.add_argument(
         "--option",
         action="append",
         default=[],
@@ -332,6 +351,8 @@ def parse_args(argv=None):
             p.error(f"--partners times the default backend ({rp_backends.DEFAULT}): drop --backends")
         if args.plot:
             p.error("--plot draws the normal mode's times; --partners has its own table")
+    elif args.amp:
+        p.error("--amp times the optimizer phase around paired masters: give --partners too")
     for b in args.backends:
         try:
             rp_backends.resolve(b)

@@ -159,6 +159,8 @@ def header(result: dict, checked: str, legend: str) -> list[str]:
         )
     if meta.get("thread_pools"):
         out.append("thread pools after the run (threadpoolctl): " + "; ".join(meta["thread_pools"]))
+    if meta.get("threading"):
+        out.append(f"compiled engine's threads after the run: {meta['threading']}")
     if meta["env"]:
         out.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(meta["env"].items())))
     return out

@@ -18,6 +18,7 @@ def _exact(backend) -> bool:
     its own composition)."""
     return bool(getattr(backends.get(backend), "exact", False))
 
+
 STEPS = 8
 MAX_NORM = 0.5
 
@@ -130,7 +131,9 @@ def test_recipe_matches_torch_composition(backend, dtype, scaled):
     assert our_history == their_history  # clip norms and the loss scale, step by step
     if scaled:
         scales = [s for _, s in our_history]
-        assert any(b < a for a, b in zip(scales, scales[1:])), f"the scale never backed off: {scales}"
+        assert any(b < a for a, b in zip(scales, scales[1:], strict=False)), (
+            f"the scale never backed off: {scales}"
+        )
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         assert p.dtype == q.dtype
         assert torch.equal(_bits(p), _bits(q)), name

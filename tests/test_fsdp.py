@@ -577,6 +577,13 @@ def run_two_processes(out_dir, substitute=None):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 
+def _skip_where_torch_cannot(lines):
+    """torch 2.6's FSDP2 does not run on the CPU (``Stream.record_event``), for torch's own
+    optimizers too: nothing to compare with there (docs/torch-versions.md)."""
+    if lines and all("record_event" in line for line in lines):
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 does not run on CPU: {lines[0][:200]}")
+
+
 def failures(ranks, key="results"):
     """One line per failed combination: the ranks it failed on and the first error seen."""
     lines = []
@@ -606,6 +613,7 @@ def test_fsdp2_every_optimizer_and_backend_matches_torch(fsdp_ranks):
     for res in fsdp_ranks:
         assert set(res["results"]) == expected
     lines = failures(fsdp_ranks)
+    _skip_where_torch_cannot(lines)
     if lines:
         pytest.fail(
             f"{len(lines)} of {len(expected)} combinations failed:\n" + "\n".join(lines), pytrace=False
@@ -617,6 +625,7 @@ def test_fsdp2_malformed_gradient_or_state_refused_before_anything_changes(fsdp_
     for res in fsdp_ranks:
         assert set(res["refusals"]) == expected
     lines = failures(fsdp_ranks, "refusals")
+    _skip_where_torch_cannot(lines)
     if lines:
         pytest.fail(f"{len(lines)} of {len(expected)} cases failed:\n" + "\n".join(lines), pytrace=False)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from tests._against_torch import ERRORS, nonfinite_mismatch, outcome, rp_opt, torch_opt
 from tests._util import (
@@ -133,6 +134,11 @@ def test_lr_changed_after_construction(name, backend, case):
     two groups: where torch steps, roundpipe steps alike (NaN where torch has NaN); where torch
     fails, roundpipe fails too, and modifies nothing (torch has stepped the first group by
     then; roundpipe promises to check everything first)."""
+    if case == "1-element 1-d tensor" and not hasattr(torch_optimizer, "_to_scalar"):
+        pytest.skip(
+            "torch < 2.8 does not squeeze a one-element lr: most of its for-loops raise on it, where "
+            "roundpipe steps as newer torch does (declared in docs/torch-versions.md)"
+        )
     params, tparams = make_params(), make_params()
     ours, theirs = rp_opt(name, groups(params), backend), torch_opt(name, groups(tparams))
     run_steps(ours, params, range(2))

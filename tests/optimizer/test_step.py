@@ -249,7 +249,13 @@ def test_add_param_group_mid_training(name, backend):
     opt.add_param_group({"params": extra, "lr": 0.02})
     ref.add_param_group({"params": textra, "lr": 0.02})
     run_steps(opt, params + extra, range(2, 6))
-    run_steps(ref, tparams + textra, range(2, 6))
+    try:
+        run_steps(ref, tparams + textra, range(2, 6))
+    except KeyError as e:  # torch < 2.12's Adagrad: state only from __init__
+        pytest.skip(
+            f"torch {torch.__version__}'s {name} fails on a group added later ({e!r}); roundpipe "
+            "creates its state as newer torch does (declared in docs/torch-versions.md)"
+        )
     assert_params_close(params + extra, tparams + textra)
     assert_state_dicts_close(opt.state_dict(), ref.state_dict())
 

@@ -165,6 +165,31 @@ def test_partners_mode(tmp_path, capsys, monkeypatch, dtype):
         assert row["speedup_fused_vs_composition"] == pytest.approx(ms["composition"] / ms["fused"])
 
 
+@pytest.mark.parametrize("dtype, words", [("float16", "loss scaling and clipping"), ("bfloat16", "clipping")])
+def test_partners_amp_mode(tmp_path, capsys, monkeypatch, dtype, words):
+    """--partners --amp: scaling (float16) and clipping around the step, fused equal to the
+    composition, the bytes of the unscale, norm and clip passes."""
+    tiny = bench.Workload("small", "3 tensors", ((3,), (100,), (5, 7)))
+    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    out = tmp_path / "amp.json"
+    argv = f"--quick --optimizers SGD,AdamW --workloads small --partners {dtype} --amp --repeats 1"
+    assert bench.main([*argv.split(), "--warmup", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"partners, {words} " in text
+    assert "\n  SGD: equal\n  AdamW: equal" in text
+    assert "MISMATCH" not in text and "FAILURES" not in text
+    result = json.loads(out.read_text())
+    assert result["meta"]["amp"] is True
+    row = result["workloads"]["small"]["optimizers"]["AdamW"]
+    scaled = dtype == "float16"
+    # AdamW fp32: 28; fused: + norm read (2) [+ inf check read (2)]; composition: + widen 6, round
+    # back 6, norm 4, clip 8 [+ unscale 8]
+    assert row["bytes_per_element_by_config"]["fused"] == 28 + 2 + (2 if scaled else 0)
+    assert row["bytes_per_element_by_config"]["composition"] == 28 + 12 + 12 + (8 if scaled else 0)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--amp"])  # --amp needs --partners
+
+
 def test_option_overrides_a_hyperparameter_for_the_run(tmp_path, capsys, monkeypatch):
     """--option SGD.momentum=0: plain SGD in the run (its traffic, the header, the JSON), the
     bench's own options back afterwards; malformed ones are refused."""

@@ -45,6 +45,7 @@ WORKLOADS = ("large", "small", "transformer")  # what --partners times (no one-p
 CONFIGS = ("composition", "fused", "torch composition")
 COMPOSITION, PAIRED, TORCH_COMPOSITION = CONFIGS
 STEPS_CHECKED = 2
+_ONE = torch.ones(())
 MAX_NORM = 1.0  # --amp: the clip threshold (the workloads' gradient norms are far above it)
 INIT_SCALE = 2.0**10  # --amp with float16: the loss scale the gradients are taken to carry
 
@@ -81,6 +82,7 @@ class Partnered:
         if self.grads is not None:
             torch._foreach_copy_(self.grads, self.partner_grads)
         if self.scaler is not None:
+            self.scaler.scale(_ONE)  # what the loss goes through each step (the scale is lazy)
             self.scaler.unscale_(self.opt)
         if self.clip:
             if self.grads is None:

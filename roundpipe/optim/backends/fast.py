@@ -71,7 +71,7 @@ class _Workspace:
     """Flat buffers for a batch of small parameters.
 
     A column whose tensors already lie back to back in one buffer (the state the step plan
-    keeps in flat buffers, see ``plan.py``, or parameters a framework flattened) is stepped
+    keeps in flat buffers, see ``plan/state.py``, or parameters a framework flattened) is stepped
     there directly (``direct``); the others get a buffer of their own (``flat``), filled and
     emptied with one ``torch._foreach_copy_`` each per step (``views``).
     """

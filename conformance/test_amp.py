@@ -29,11 +29,10 @@ from roundpipe.optim.masters import pair
 
 from . import deviations
 from .cases import BACKENDS, CASES_BY_OPTIMIZER
-from .harness import PARAMS, bits_mismatch, exact_backend, gradients, make_params
+from .harness import PARAMS, exact_backend, gradients
+from .test_masters import DTYPES, REAL, UNPAIRED, _start
+from .test_masters import _compare as compare_masters
 
-DTYPES = (torch.bfloat16, torch.float16)
-REAL = [i for i, s in enumerate(PARAMS) if not s.dtype.is_complex]
-UNPAIRED = next(i for i in REAL if PARAMS[i].desc == "3x5")
 POISONED = next(i for i in REAL if PARAMS[i].desc.startswith("70001"))  # a partner's gradient
 INIT_SCALE = 2.0**12
 
@@ -54,21 +53,6 @@ def _case(name):
     """The optimizer's first case with weight decay, else its first (a program with options)."""
     cases = CASES_BY_OPTIMIZER[name]
     return next((c for c in cases if c.kwargs.get("weight_decay")), cases[0])
-
-
-def _start(dtype):
-    values = make_params()
-    masters, partners = [], []
-    for i in REAL:
-        v = values[i].detach()
-        if i == UNPAIRED:
-            masters.append(v.clone())
-            partners.append(None)
-        else:
-            q = v.to(dtype)
-            masters.append(q.float())
-            partners.append(q)
-    return masters, partners
 
 
 def _grads(step, dtype, poison):
@@ -142,19 +126,9 @@ def _snapshot(run):
 
 
 def _compare(where, ours, theirs):
-    (om, oq, os_, oscale), (tm, tq, ts, tscale) = ours, theirs
-    assert oscale == tscale, f"{where}: loss scale {oscale} vs {tscale}"
-    for k, i in enumerate(REAL):
-        desc = PARAMS[i].desc
-        problem = bits_mismatch(om[k], tm[k])
-        assert problem is None, f"{where}: master {desc!r}: {problem}"
-        if oq[k] is not None:
-            problem = bits_mismatch(oq[k], tq[k])
-            assert problem is None, f"{where}: partner {desc!r}: {problem}"
-        assert os_[k].keys() == ts[k].keys(), f"{where}: state keys of {desc!r}"
-        for name in os_[k]:
-            problem = bits_mismatch(os_[k][name], ts[k][name])
-            assert problem is None, f"{where}: state {name!r} of {desc!r}: {problem}"
+    (*rest, scale), (*their_rest, their_scale) = ours, theirs
+    assert scale == their_scale, f"{where}: loss scale {scale} vs {their_scale}"
+    compare_masters(where, rest, their_rest)
 
 
 def _params():

@@ -193,7 +193,7 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
             launches.append((program, scalars, columns, cache, sole_unit))
         return writeback, launches
 
-    def _replay_schedule(self, plan, grads):
+    def _replay_schedule(self, plan, grads, factors=None):
         """The step as the last one ran, when nothing but the scalars and the gradients
         changed: ``(writeback, launches)`` ready to run, or None (the full path runs). Writes
         nothing the full path would not overwrite (the backends' scalar rows)."""
@@ -204,6 +204,8 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
             if not unit.uniform():
                 return None
             scratch, values, now = self._unit_scalars(gp, unit)
+            if factors:
+                now, values = _with_factors(factors, unit, now, values)
             if now is not flags and now != flags:
                 return None
             launch = backend.rebind(handle, values, gp.grad_columns(grads[gi], unit))
@@ -246,9 +248,9 @@ def _run_step(opt):
 def _run_plan(opt, factors):
     plan = opt.__dict__.get("_roundpipe_plan")
     grads = plan.check(opt, opt.spec) if plan is not None else None
-    if grads is not None and plan.replay is not None and not factors:
+    if grads is not None and plan.replay is not None:
         try:
-            ready = opt._replay_schedule(plan, grads)
+            ready = opt._replay_schedule(plan, grads, factors)
         except BaseException:
             opt._roundpipe_plan = None  # rebuilt (and re-validated) by the next step
             raise
@@ -290,8 +292,7 @@ def _run_plan(opt, factors):
     for launch in ready:
         launch()
     if (
-        not factors
-        and not plan.valid_for_one_step
+        not plan.valid_for_one_step
         and hasattr(backend, "replay_handle")
         and all(sole_unit for *_, sole_unit in launches)
     ):

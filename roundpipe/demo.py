@@ -194,7 +194,8 @@ def table(header, rows) -> str:
     return "\n".join([fmt(header), "-+-".join("-" * w for w in widths), *map(fmt, rows)])
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """``(args, kinds)``: the command line, and the optimizers it asks for (``optimizer_kinds``)."""
     parser = argparse.ArgumentParser(prog="python -m roundpipe.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument(
@@ -231,7 +232,11 @@ def main(argv=None) -> int:
         kinds = optimizer_kinds(args.backend, compare)
     except (ValueError, ImportError) as e:  # an unknown backend, or fast:numba without numba
         parser.error(str(e))
+    return args, kinds
 
+
+def main(argv=None) -> int:
+    args, kinds = parse_args(argv)
     size = "small" if args.small else "default"
     vocab, d, layers, heads, context, batch = SIZES[size]
     torch.manual_seed(args.seed)
@@ -247,8 +252,13 @@ def main(argv=None) -> int:
         runs[name] = (m, make(m.parameters()))
     del model
     names = list(runs)
-    default = names[0]
+    _print_header(args, names[0], sizes, size)
+    med_step, med_fwd, drift, checks, fallbacks = train(args, runs, kinds, data, gen, batch)
+    return print_report(args, names, med_step, med_fwd, drift, checks, fallbacks)
 
+
+def _print_header(args, default, sizes, size):
+    vocab, d, layers, heads, context, batch = SIZES[size]
     load = f"; load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
     chosen = default.removeprefix("roundpipe ")
     copy_note = "" if chosen == rp_backends.DEFAULT else f"; this run's first copy: backend {chosen!r}"
@@ -261,8 +271,14 @@ def main(argv=None) -> int:
         f"roundpipe {rp_optim.get_num_threads()}, numexpr {numexpr.get_num_threads()}{load}\n"
         f"roundpipe's default backend: {fast_engine()['text']}{copy_note}"
     )
-    print(" | ".join(["step"] + [f"loss {n}" for n in names]))
 
+
+def train(args, runs, kinds, data, gen, batch):
+    """Every copy's training steps, in rotating order, timed: the medians of the step and of the
+    forward+backward, the drift of each copy from the for-loop's, the one-step checks
+    (``one_step_check``) and the fallback warnings seen."""
+    names = list(runs)
+    print(" | ".join(["step"] + [f"loss {n}" for n in names]))
     step_s = {n: [] for n in names}
     fwd_s = {n: [] for n in names}
     losses: dict = {}
@@ -291,6 +307,11 @@ def main(argv=None) -> int:
         med_fwd = {n: statistics.median(fwd_s[n]) for n in names}
         drift = {n: max_abs_diff(runs[n][0], loop_model) for n in names}
         checks = {n: one_step_check(kinds[n], loop_model, loop_opt) for n in names if n != LOOP}
+    return med_step, med_fwd, drift, checks, watch.messages
+
+
+def print_report(args, names, med_step, med_fwd, drift, checks, fallbacks) -> int:
+    """The table, the speedups and the match verdicts; the exit status (1 on a mismatch)."""
 
     def equal_or(x: float) -> str:
         return "bitwise equal" if x == 0 else f"{x:.2e}"
@@ -327,13 +348,13 @@ def main(argv=None) -> int:
     print()
     roundpipe = [n for n in names if n.startswith("roundpipe ")]
     for n in roundpipe:
-        label = engine_label(n.removeprefix("roundpipe "), watch.messages)
+        label = engine_label(n.removeprefix("roundpipe "), fallbacks)
         print(
             f"speedup of roundpipe ({label}) over torch fused AdamW: {med_step[FUSED] / med_step[n]:.2f}x "
             f"(over torch's default for-loop: {med_step[LOOP] / med_step[n]:.2f}x)"
         )
-    if watch.messages:
-        print(f"note: {fast_engine(watch.messages)['text']}")
+    if fallbacks:
+        print(f"note: {fast_engine(fallbacks)['text']}")
     status = 0
     for n in roundpipe:
         diff, bitwise, mismatch = checks[n]

@@ -46,3 +46,15 @@ def test_demo_runs(capsys):
     assert "roundpipe fast:numexpr: a step is" in text
     with pytest.raises(SystemExit):
         demo.main(["--small", "--steps", "1", "--compare", "bogus"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_demo_mixed_precision_runs_bitwise(capsys, dtype):
+    """--mixed: the model in low precision with fp32 masters, (loss scaling and) clipping, next
+    to the same loop with torch.optim and casts; roundpipe's model ends bitwise equal to the
+    for-loop composition's (the exit status says so too)."""
+    assert demo.main(["--small", "--steps", "4", "--mixed", dtype]) == 0
+    out = capsys.readouterr().out
+    assert f"every parameter in {dtype}, fp32 masters" in out
+    assert "speedup of roundpipe's optimizer phase over torch fused's" in out
+    assert "the model is bitwise equal to the for-loop composition's" in out

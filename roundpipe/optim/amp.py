@@ -63,6 +63,9 @@ class GradFactors:
         return bool(self.own or self.partner)
 
 
+_NONE = GradFactors()  # nothing pending (never added to: pending() makes an optimizer its own)
+
+
 def pending(opt) -> GradFactors:
     factors = opt.__dict__.get(_FACTORS)
     if factors is None:
@@ -100,8 +103,8 @@ def begin_step(opt):
     moves, under torch's own GradScaler when a partner's gradient would be stepped unseen."""
     found_inf = getattr(opt, "found_inf", None)
     scaling = found_inf is not None or "grad_scale" in opt.__dict__
-    if not scaling:
-        return pending(opt)
+    if not scaling:  # (no allocation: every step of every optimizer passes here)
+        return opt.__dict__.get(_FACTORS) or _NONE
     if not opt.__dict__.get(_CHECKED) and _partner_grads(opt):
         raise RuntimeError(
             f"roundpipe.optim.{type(opt).__name__}: torch.amp.GradScaler reads only param.grad, and "

@@ -9,7 +9,8 @@ parameters through the same script of ``SCRIPT`` (one iteration a row):
   coefficient are folded into the step;
 * ``composed``: roundpipe on the same backend without pairings, the composition written out:
   ``master.grad = partner.grad.float()``, torch's ``GradScaler.unscale_`` and
-  ``torch.nn.utils.clip_grad_norm_`` writing the fp32 gradients, the step, ``partner.copy_``;
+  ``torch.nn.utils.clip_grads_with_norm_`` writing the fp32 gradients, the step,
+  ``partner.copy_``;
 * ``torch``: the same composition with ``torch.optim``'s for-loop.
 
 After every iteration the fused run's masters, partners, state and loss scale must equal the
@@ -17,6 +18,11 @@ composed run's bit for bit on every backend, and the torch run's on the backends
 torch's for-loop bit for bit. The script has a step whose gradients clip and one whose do not,
 a partner gradient with an inf and an own gradient with a NaN (both steps skipped, the scale
 backs off), steps unscaled by ``scaler.unscale_`` and steps left to ``scaler.step``.
+
+The composed runs clip with the fused run's total norm: the numba engine's norm is its one
+read-only pass's (float64 sums: within an ulp of the float64 norm, and within 1e-5 of torch's
+``get_total_norm``, checked here), so the coefficients are equal and the steps are compared
+bit for bit; on the composing engines the norm is torch's bit for bit.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from roundpipe.optim.masters import pair
 
 from . import deviations
 from .cases import BACKENDS, CASES_BY_OPTIMIZER
-from .harness import PARAMS, exact_backend, gradients
+from .harness import PARAMS, assert_norm_close, exact_backend, exact_norm, gradients
 from .test_masters import DTYPES, REAL, UNPAIRED, _start
 from .test_masters import _compare as compare_masters
 
@@ -85,14 +91,16 @@ def _fused_iteration(run, grads, unscale, max_norm):
             q.grad = low
     if unscale:
         scaler.unscale_(opt)
-    if max_norm is not None:
-        opt.clip_grad_norm_(max_norm)
+    norm = opt.clip_grad_norm_(max_norm) if max_norm is not None else None
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
+    return norm
 
 
-def _composed_iteration(run, grads, unscale, max_norm):
+def _composed_iteration(run, grads, unscale, max_norm, norm=None):
+    """The composition; ``norm``: the total norm to clip with (the fused run's). Returns
+    ``(torch's total norm, the float64 norm)`` of the gradients it clipped."""
     opt, scaler, masters, partners = run
     scaler.scale(torch.ones(()))
     for m, (own, low) in zip(masters, grads, strict=True):
@@ -102,7 +110,10 @@ def _composed_iteration(run, grads, unscale, max_norm):
         if unscale:
             scaler.unscale_(opt)
         if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], max_norm)
+            clipped = [m for m in masters if m.grad is not None]
+            torchs = torch.nn.utils.get_total_norm([m.grad for m in clipped])
+            norms = (torchs.item(), exact_norm([m.grad for m in clipped]))
+            torch.nn.utils.clip_grads_with_norm_(clipped, max_norm, torchs if norm is None else norm)
     if not unscale:
         scaler.unscale_(opt)  # what scaler.step does first with a for-loop optimizer
     scaler.step(opt)
@@ -112,6 +123,7 @@ def _composed_iteration(run, grads, unscale, max_norm):
             if q is not None:
                 q.copy_(m)
     opt.zero_grad()
+    return norms if max_norm is not None else None
 
 
 def _snapshot(run):
@@ -161,11 +173,16 @@ def test_scaling_and_clipping(case, backend, dtype):
     scale = INIT_SCALE
     for step, (unscale, max_norm, poison) in enumerate(SCRIPT):
         grads = _grads(step, dtype, poison)
-        snap = {}
+        snap, norm = {}, None
         for run, parts in runs.items():
             # each run its own copies: unscale_ writes the unpaired gradients in place
             mine = [tuple(None if g is None else g.clone() for g in pair_) for pair_ in grads]
-            (_fused_iteration if run == "fused" else _composed_iteration)(parts, mine, unscale, max_norm)
+            if run == "fused":
+                norm = _fused_iteration(parts, mine, unscale, max_norm)
+            else:
+                norms = _composed_iteration(parts, mine, unscale, max_norm, norm)
+                if norm is not None:
+                    assert_norm_close(norm.item(), *norms, backend, f"iteration {step}, {run}")
             snap[run] = _snapshot(parts)
         if poison is not None:
             assert snap["fused"][3] == scale * 0.5, f"iteration {step}: the scale did not back off"

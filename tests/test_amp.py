@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import roundpipe.optim as ro
+from conformance.harness import assert_norm_close, exact_norm
 from roundpipe.optim import amp, backends
 
 
@@ -81,15 +82,19 @@ def _roundpipe_loop(dtype, backend, scaler_cls):
     return model, history
 
 
-def _torch_loop(dtype, scaler_cls):
+def _torch_loop(dtype, scaler_cls, norms=None):
     """The same loop with torch.optim and explicit casts: fp32 masters stepped by torch's
-    for-loop AdamW, their gradients widened from the model's, written back rounded."""
+    for-loop AdamW, their gradients widened from the model's, written back rounded. ``norms``
+    (repr strings, a step each): clip with these total norms (``clip_grads_with_norm_``) instead
+    of torch's, which the history still records: the one-pass norm of the numba engine is
+    torch's to rounding only (its own summation order), and the step is compared bit for bit
+    where the coefficients are equal."""
     model = Net(dtype)
     params = list(model.parameters())
     masters = [p.detach().float() if p.dtype != torch.float32 else p for p in params]
     opt = torch.optim.AdamW(masters, lr=0.01, weight_decay=0.1, foreach=False)
     scaler = scaler_cls("cpu", init_scale=2.0**10, growth_interval=3) if scaler_cls else None
-    history = []
+    history, exacts = [], []
     for step in range(STEPS):
         loss = _loss(model, step, scaler is not None)
         (scaler.scale(loss) if scaler else loss).backward()
@@ -98,7 +103,11 @@ def _torch_loop(dtype, scaler_cls):
                 m.grad = p.grad.float()
         if scaler:
             scaler.unscale_(opt)
-        norm = torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)
+        grads = [m.grad for m in masters if m.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        exacts.append(exact_norm(grads))
+        used = norm if norms is None else torch.tensor(float(norms[step]), dtype=torch.float32)
+        torch.nn.utils.clip_grads_with_norm_(masters, MAX_NORM, used)
         if scaler:
             scaler.step(opt)
             scaler.update()
@@ -111,7 +120,7 @@ def _torch_loop(dtype, scaler_cls):
         for t in (*masters, *params):
             t.grad = None
         history.append((repr(norm.item()), scaler.get_scale() if scaler else None))
-    return model, history
+    return model, history, exacts
 
 
 def _bits(t):
@@ -123,12 +132,17 @@ def _bits(t):
 )
 def test_recipe_matches_torch_composition(backend, dtype, scaled):
     ours, our_history = _roundpipe_loop(dtype, backend, ro.GradScaler if scaled else None)
-    theirs, their_history = _torch_loop(dtype, torch.amp.GradScaler if scaled else None)
+    our_norms = [norm for norm, _ in our_history]
+    theirs, their_history, exacts = _torch_loop(dtype, torch.amp.GradScaler if scaled else None, our_norms)
     if not _exact(backend):
         for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
         return
-    assert our_history == their_history  # clip norms and the loss scale, step by step
+    assert [s for _, s in our_history] == [s for _, s in their_history]  # the loss scale
+    for step, ((mine, _), (torchs, _), exact) in enumerate(
+        zip(our_history, their_history, exacts, strict=True)
+    ):
+        assert_norm_close(float(mine), float(torchs), exact, backend, f"step {step}")
     if scaled:
         scales = [s for _, s in our_history]
         assert any(b < a for a, b in zip(scales, scales[1:], strict=False)), (
@@ -207,20 +221,62 @@ def test_torch_gradscaler_works_without_partners(backend):
             torch.testing.assert_close(p, q)
 
 
-def test_clip_norm_types_and_nonfinite():
+def test_clip_norm_types_and_nonfinite(backend):
     model, masters = _mixed(torch.bfloat16)
-    opt = ro.AdamW(masters)
+    opt = ro.AdamW(masters, backend=backend)
     loss = model[1](model[0](torch.randn(4, 8).bfloat16()).float()).pow(2).sum()
     loss.backward()
     widened = [(ro.partner_of(m) if ro.partner_of(m) is not None else m).grad.float() for m in masters]
     for norm_type in (2.0, 1.0, float("inf"), 3):
         expected = torch.nn.utils.get_total_norm(widened, norm_type)
-        assert torch.equal(opt.clip_grad_norm_(1e9, norm_type=norm_type), expected)
+        norm = opt.clip_grad_norm_(1e9, norm_type=norm_type)
+        assert norm.dtype == torch.float32 and norm.shape == ()
+        exact = exact_norm(widened, norm_type)
+        assert_norm_close(norm.item(), expected.item(), exact, backend, f"norm_type {norm_type}", norm_type)
     assert not amp.pending(opt), "a coefficient of 1 records no factor"
     ro.partner_of(masters[0]).grad.view(-1)[0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
     assert ro.clip_grad_norm_(opt, 1.0).isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, float("inf")])
+def test_one_pass_norm_is_the_float64_norm_rounded(dtype, norm_type):
+    """The numba engine's norm over many chunks and tensors of each dtype, partners' and own
+    gradients mixed: within an ulp of the float64 norm of the widened gradients."""
+    g = torch.Generator().manual_seed(5)
+    sizes = (0, 1, 31, 2**15 - 1, 2**15, 2**15 + 1, 100_003)
+    params = [torch.zeros(n, requires_grad=True) for n in sizes if n or norm_type != float("inf")]
+    partners = [torch.zeros(p.shape, dtype=dtype) for p in params]
+    for p, q in zip(params, partners, strict=True):
+        if dtype is torch.float32:
+            p.grad = torch.randn(p.shape, generator=g) * 3
+        else:
+            ro.pair(p, q)
+            q.grad = (torch.randn(p.shape, generator=g) * 3).to(dtype)
+    opt = ro.SGD(params, lr=0.1, backend="fast:numba")
+    grads = [p.grad if p.grad is not None else ro.partner_of(p).grad for p in params]
+    norm = opt.clip_grad_norm_(1.0, norm_type=norm_type)
+    torchs = torch.nn.utils.get_total_norm([t.float() for t in grads], norm_type)
+    exact = exact_norm(grads, norm_type)
+    assert_norm_close(norm.item(), torchs.item(), exact, "fast:numba", norm_type=norm_type)
+
+
+def test_clip_after_a_write_to_the_checked_gradients_reads_them_again():
+    """The inf check's sums serve a clip before the step only while the gradients are unchanged
+    (their version counters)."""
+    model, masters = _mixed(torch.float16)
+    opt = ro.SGD(masters, lr=0.1, backend="fast:numba")
+    scaler = ro.GradScaler("cpu", init_scale=4.0)
+    _backward(model, scaler)
+    scaler.unscale_(opt)
+    ro.partner_of(masters[0]).grad.fill_(8.0)  # the user edits a gradient after the check
+    grads = [(ro.partner_of(m) if ro.partner_of(m) is not None else m).grad for m in masters]
+    unscaled = [g.float() / 4 if g.dtype is torch.float16 else g for g in grads]
+    expected = torch.nn.utils.get_total_norm(unscaled)
+    norm = opt.clip_grad_norm_(1e9).item()
+    assert_norm_close(norm, expected.item(), exact_norm(unscaled), "fast:numba")
 
 
 def test_zero_grad_drops_a_pending_clip():

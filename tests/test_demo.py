@@ -58,3 +58,4 @@ def test_demo_mixed_precision_runs_bitwise(capsys, dtype):
     assert f"every parameter in {dtype}, fp32 masters" in out
     assert "speedup of roundpipe's optimizer phase over torch fused's" in out
     assert "the model is bitwise equal to the for-loop composition's" in out
+    assert "roundpipe's clip norms against torch's get_total_norm of the same gradients" in out

@@ -23,6 +23,10 @@ suite, too, feeds identical gradients). After every step:
   (a ``DTensor`` with the parameter's placements where torch's is one, a plain 0-d tensor for
   ``step`` and the like) and local shard values close to the baseline's.
 
+In the ``CLIPPED`` cases every run clips before each step (roundpipe's ``opt.clip_grad_norm_``
+on the DTensor gradients, the baseline torch's ``torch.nn.utils.clip_grad_norm_``): the total
+norms must be close, above the threshold (so every step clips), and the steps as above.
+
 After step ``RELOAD_AFTER``, each roundpipe optimizer goes through ``get_optimizer_state_dict``
 (which must match the baseline's) and ``set_optimizer_state_dict`` into a fresh optimizer on a
 fresh model (loaded with ``set_model_state_dict``), which carries on in its place.
@@ -74,7 +78,12 @@ GLOO_TIMEOUT = datetime.timedelta(seconds=30)
 # (label, optimizer, hyperparameters)
 CASES = [(name, name, dict(RICH_KWARGS[name])) for name in OPTIMIZER_NAMES] + [
     ("SGD-no-momentum", "SGD", dict(lr=0.01)),
+    ("AdamW-clipped", "AdamW", dict(RICH_KWARGS["AdamW"])),
 ]
+# cases that clip before each step, with this max_norm (below the gradients' norms): roundpipe's
+# opt.clip_grad_norm_ on DTensor gradients (each norm reduced over the mesh) against torch's
+# torch.nn.utils.clip_grad_norm_ on the baseline's
+CLIPPED = {"AdamW-clipped": 0.05}
 # "fast" runs its default engine (the environment's choice is cleared); "fast:numexpr" the other
 BACKENDS = ["reference", "fast", "fast:torch", "fast:numexpr"]
 OFFLOAD = [False, True]
@@ -162,8 +171,10 @@ class _LocalShards:
 class _Run:
     """One model and its optimizer, stepped in lockstep with the others of a case."""
 
-    def __init__(self, backend, kind, name, kwargs, offload):
+    def __init__(self, backend, kind, name, kwargs, offload, clip=None):
         self.backend, self.kind, self.name, self.kwargs, self.offload = backend, kind, name, kwargs, offload
+        self.clip = clip  # max_norm: clip before each step
+        self.norm = None  # the last clip's total norm, as a plain tensor
         self.error = None
         self._install(_build(0, offload))
 
@@ -214,6 +225,14 @@ class _Run:
                 assert torch.equal(p.grad.to_local(), local)
 
     def step(self):
+        if self.clip is not None:
+            if self.kind == "roundpipe":
+                norm = self.opt.clip_grad_norm_(self.clip)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+            self.norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if not self.norm.item() > self.clip:
+                raise AssertionError(f"the total norm {self.norm.item()} does not clip at {self.clip}")
         where = [(type(p), p.to_local().data_ptr()) for p in self.params]
         grads = [None if p.grad is None else p.grad.to_local().clone() for p in self.params]
         self.opt.step()
@@ -385,8 +404,11 @@ def _run_case(rank, label, name, kwargs, offload, substitute):
     """All backends of one (optimizer, offload) in lockstep with the baseline: {combo: error}."""
     base_kind = "local" if name == "Rprop" else "torch"
     kind = {None: "roundpipe", "torch": base_kind, "local": "local"}[substitute]
-    base = _Run(None, base_kind, name, kwargs, offload)
-    runs = [_Run(b, kind, name, kwargs, offload) for b in BACKENDS]
+    clip = CLIPPED.get(label)
+    if clip is not None and base_kind != "torch":
+        raise ValueError(f"{label}: clipping is compared with torch.optim on DTensors only")
+    base = _Run(None, base_kind, name, kwargs, offload, clip)
+    runs = [_Run(b, kind, name, kwargs, offload, clip) for b in BACKENDS]
     everyone = [base, *runs]
 
     def compare(when, full=False):
@@ -411,6 +433,9 @@ def _run_case(rank, label, name, kwargs, offload, substitute):
         for r in everyone:
             _attempt(r, when, r.step)
         _agree(everyone, when)
+        if clip is not None and base.error is None:
+            for r in runs:
+                _attempt(r, when, _close, r.norm, base.norm, "clip_grad_norm_'s total norm")
         compare(when, full=k + 1 == STEPS)
         if k + 1 == RELOAD_AFTER and kind != "local":
             when = f"state dict round trip after step {k + 1}"

@@ -19,21 +19,34 @@ parameters in place, as torch does, so a user may clip those with torch afterwar
   their step): torch's own ``GradScaler`` then works as well where no parameter is paired, and
   where one is, the step raises before anything moves instead of stepping scaled gradients.
 * ``clip_grad_norm_(opt, max_norm, ...)`` (also ``opt.clip_grad_norm_``): the total norm of
-  every gradient the next step reads (partners widened and unscaled), as torch computes it
-  (``torch._foreach_norm`` per tensor, then the norm of the norms); returns it as a tensor.
+  every gradient the next step reads (partners widened and unscaled); returns it as a tensor.
+
+On the numba engine the inf check and the norm are one read-only pass over the gradients as
+stored (``numba_engine.norms``: float64 sums; the check's sums of squares serve a 2-norm clip
+that follows with the gradients unchanged). Its norm is the float64 norm rounded once, which is
+torch's ``get_total_norm`` to torch's own float32 rounding, not bit for bit; the step then
+applies the coefficient from that norm bit for bit. The composing engines (``reference``,
+``fast:torch``, ``fast:numexpr``) take torch's foreach norms, bit for bit, and torch's inf check.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import compress, repeat
+from operator import attrgetter, is_
 
+import numpy as np
 import torch
 
-from .masters import partner_of
+from . import backends, masters
 
 # an optimizer's pending factors, by who reads the gradient: its own ``.grad`` or a partner's
 _FACTORS = "_roundpipe_grad_factors"
 _CHECKED = "_roundpipe_partners_checked"  # this iteration's inf check saw the partners' grads
+_SUMS = "_roundpipe_grad_sums"  # the inf check's sums of squares, for a clip before the step
+_PARTNERS = "_roundpipe_partners"  # each group's partners (``_partners``)
+_GRAD = attrgetter("grad")
+_VERSION = attrgetter("_version")
 
 
 class GradFactors:
@@ -76,23 +89,57 @@ def pending(opt) -> GradFactors:
 def clear(opt) -> None:
     opt.__dict__.pop(_FACTORS, None)
     opt.__dict__.pop(_CHECKED, None)
+    opt.__dict__.pop(_SUMS, None)
 
 
-def _gradients(opt):
-    """``(gradient, from a partner)`` for every parameter whose gradient the next step reads:
-    its own ``.grad``, else its partner's (``masters.py``)."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                yield p.grad, False
-                continue
-            q = partner_of(p)
-            if q is not None and q.grad is not None:
-                yield q.grad, True
+def _gradients(opt) -> tuple[list, list]:
+    """``(gradients, from a partner)``, in the parameters' order, for every parameter whose
+    gradient the next step reads: its own ``.grad``, else its partner's (``masters.py``)."""
+    grads, paired = [], []
+    for group, partners in zip(opt.param_groups, _partners(opt), strict=True):
+        own = list(map(_GRAD, group["params"]))
+        if partners is None or not any(map(is_, own, repeat(None))):  # (C-level maps)
+            present = [g for g in own if g is not None]
+            grads += present
+            paired += [False] * len(present)
+        elif not any(map(is_, partners, repeat(None))) and all(map(is_, own, repeat(None))):
+            low = [g for g in map(_GRAD, partners) if g is not None]  # every gradient a partner's
+            grads += low
+            paired += [True] * len(low)
+        else:
+            for g, q in zip(own, partners, strict=True):
+                if g is not None:
+                    grads.append(g)
+                    paired.append(False)
+                elif q is not None and q.grad is not None:
+                    grads.append(q.grad)
+                    paired.append(True)
+    return grads, paired
+
+
+def _partners(opt) -> list:
+    """Per group, each parameter's partner (None for a group without any), cached on the
+    optimizer until its groups or any pairing change."""
+    cached = opt.__dict__.get(_PARTNERS)
+    groups = opt.param_groups
+    if cached is not None and cached[0] == masters.generation() and len(cached[1]) == len(groups):
+        if all(_same(g["params"], params) for g, params in zip(groups, cached[1], strict=True)):
+            return cached[2]
+    partners = []
+    for group in groups:
+        found = list(map(masters.partner_of, group["params"]))
+        partners.append(None if all(q is None for q in found) else found)
+    opt.__dict__[_PARTNERS] = (masters.generation(), [list(g["params"]) for g in groups], partners)
+    return partners
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(map(is_, a, b))
 
 
 def _partner_grads(opt) -> list:
-    return [g for g, paired in _gradients(opt) if paired]
+    grads, paired = _gradients(opt)
+    return list(compress(grads, paired))
 
 
 def begin_step(opt):
@@ -138,17 +185,23 @@ class GradScaler(torch.amp.GradScaler):
         if not grads:
             return per_device
         optimizer.__dict__[_CHECKED] = True
-        # a factor of 1: torch's own check, which writes back the same values (faster here than
-        # any read-only reduction torch has for 16-bit floats); the partners' gradients stay
-        # scaled in their low precision, as in the composition, and are unscaled by the step
         found = per_device.get(found_inf.device, found_inf)
-        one = torch.ones((), dtype=torch.float32, device=found.device)
-        by_dtype: dict = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        with torch.no_grad():
-            for same in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
+        sums = _sums(optimizer, grads, 2.0)
+        if sums is not None:  # one read-only pass; its sums serve a clip before the step
+            optimizer.__dict__[_SUMS] = (grads, list(map(_VERSION, grads)), sums)
+            if not math.isfinite(float(sums.sum())):
+                found.fill_(1.0)
+        else:
+            # a factor of 1: torch's own check, which writes back the same values; the
+            # partners' gradients stay scaled in their low precision, as in the composition,
+            # and are unscaled by the step
+            one = torch.ones((), dtype=torch.float32, device=found.device)
+            by_dtype: dict = {}
+            for g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            with torch.no_grad():
+                for same in by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
         return {**per_device, found.device: found}
 
     def unscale_(self, optimizer):
@@ -169,22 +222,18 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     """``torch.nn.utils.clip_grad_norm_`` over every gradient the next step of ``opt`` reads,
     partners' included, widened to float32 and unscaled as the composition has them. Returns
     the total norm (a tensor); the clip coefficient is applied by the next step, in its pass,
-    instead of being written into the gradients now. ``foreach`` is accepted for torch's
-    signature: the norms are torch's foreach norms either way (equal on the CPU)."""
+    instead of being written into the gradients now. On the numba engine the norm is one
+    read-only pass's (``_total``: torch's to rounding); elsewhere torch's foreach norms, bit
+    for bit. ``foreach`` is accepted for torch's signature."""
     norm_type = float(norm_type)
     max_norm = float(max_norm)
     factors = pending(opt)
-    grads = list(_gradients(opt))
-    norms = [None] * len(grads)  # in the parameters' order, as torch stacks them
-    for paired in (False, True):
-        at = [i for i, (_, p) in enumerate(grads) if p is paired]
-        if at:
-            found = _norms([grads[i][0] for i in at], norm_type, factors.for_pairing(paired))
-            for i, n in zip(at, found, strict=True):
-                norms[i] = n
-    if not norms:
+    grads, paired = _gradients(opt)
+    if not grads:
         return torch.tensor(0.0)
-    total = torch.linalg.vector_norm(torch.stack([_local(n) for n in norms]), norm_type)
+    total = _total(opt, grads, paired, norm_type, factors)
+    if total is None:
+        total = _torch_total(grads, paired, norm_type, factors)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
@@ -195,6 +244,72 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     if float(clip_coef) != 1.0:  # a factor of 1 changes no bits: no factor
         factors.add(float(clip_coef))
     return total
+
+
+def _sums(opt, grads, order):
+    """The backend's one-pass sums of ``grads`` for a norm of ``order`` (None: it has none)."""
+    backend = backends.get(opt._roundpipe_backend)
+    gradient_sums = getattr(backend, "gradient_sums", None)
+    return None if gradient_sums is None else gradient_sums(grads, order)
+
+
+def _total(opt, grads, paired, norm_type, factors):
+    """The total norm from the backend's one-pass sums, in float64, rounded to float32 once;
+    each side's pending factors (own gradients, partners') multiply its sum. None where the
+    backend has no such pass (or for other orders than 1, 2, inf)."""
+    if norm_type not in _ORDERS:
+        return None
+    parts = []
+    for side in (False, True):
+        these = [g for g, p in zip(grads, paired, strict=True) if p is side]
+        if not these:
+            continue
+        sums = _cached_sums(opt, these, norm_type)
+        if sums is None:
+            sums = _sums(opt, these, norm_type)
+        if sums is None:
+            return None
+        scale = math.prod(abs(f) for f in factors.for_pairing(side))
+        if norm_type == 2.0:
+            parts.append(float(np.sum(sums)) * scale * scale)
+        elif norm_type == 1.0:
+            parts.append(float(np.sum(sums)) * scale)
+        else:
+            parts.append(float(np.max(sums)) * scale)
+    if norm_type == math.inf:
+        total = max(parts) if not any(math.isnan(x) for x in parts) else math.nan
+    else:
+        total = math.fsum(parts) if all(math.isfinite(x) for x in parts) else sum(parts)
+    if norm_type == 2.0:
+        total = math.sqrt(total) if total == total else total
+    return torch.tensor(total, dtype=torch.float32)
+
+
+def _cached_sums(opt, grads, norm_type):
+    """The inf check's sums of squares of these very gradients, if nothing wrote them since."""
+    cached = opt.__dict__.get(_SUMS)
+    if norm_type != 2.0 or cached is None:
+        return None
+    seen, versions, sums = cached
+    if len(seen) != len(grads) or not all(map(is_, seen, grads)):
+        return None
+    return sums if list(map(_VERSION, grads)) == versions else None
+
+
+def _torch_total(grads, paired, norm_type, factors):
+    """The total norm as torch computes it: per tensor ``torch._foreach_norm`` (``_norms``), in
+    the parameters' order, then the norm of the norms."""
+    norms = [None] * len(grads)
+    for side in (False, True):
+        at = [i for i, p in enumerate(paired) if p is side]
+        if at:
+            found = _norms([grads[i] for i in at], norm_type, factors.for_pairing(side))
+            for i, n in zip(at, found, strict=True):
+                norms[i] = n
+    return torch.linalg.vector_norm(torch.stack([_local(n) for n in norms]), norm_type)
+
+
+_ORDERS = (1.0, 2.0, math.inf)  # the norms the one-pass sums give
 
 
 # norms that commute with a power-of-two factor: torch accumulates in double, where scaling every

@@ -96,6 +96,26 @@ def test_bench_runs(tmp_path, capsys, monkeypatch):
     assert list(rows["SGD"]["median_ms"]) == ["fast", "reference", "for-loop", "foreach", "fused"]
 
 
+def test_after_backward_runs_a_forward_and_backward_before_each_timed_step(capsys, monkeypatch):
+    tiny = bench.Workload("small", "3 tensors", ((3,), (100,), (5, 7)))
+    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    calls = []
+    real = cli.ForwardBackward
+
+    class Counting(real):
+        def __call__(self):
+            calls.append(1)
+            super().__call__()
+            assert all(w.grad is not None for w in self.weights)
+
+    monkeypatch.setattr(cli, "ForwardBackward", Counting)
+    argv = "--quick --optimizers SGD --workloads small --backends fast --repeats 2 --warmup 0"
+    assert bench.main([*argv.split(), "--after-backward"]) == 0
+    text = capsys.readouterr().out
+    assert "each timed step right after a forward and backward pass (--after-backward)" in text
+    assert len(calls) == 2 * 4  # a pass before each timed step of fast, for-loop, foreach and fused
+
+
 def test_per_param_workload(tmp_path, capsys, monkeypatch):
     # the real parts: 256 one-tensor optimizers of 4Ki elements, and 4 of 2Mi (quick) / 4Mi
     small, large = bench.workload_parts("per_param", quick=True)
@@ -176,15 +196,17 @@ def test_partners_amp_mode(tmp_path, capsys, monkeypatch, dtype, words):
     assert bench.main([*argv.split(), "--warmup", "0", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"partners, {words} " in text
-    assert "\n  SGD: equal\n  AdamW: equal" in text
+    assert "\n  SGD: equal (total norm vs torch's get_total_norm: " in text
+    assert "\n  AdamW: equal (total norm vs torch's get_total_norm: " in text
     assert "MISMATCH" not in text and "FAILURES" not in text
     result = json.loads(out.read_text())
     assert result["meta"]["amp"] is True
     row = result["workloads"]["small"]["optimizers"]["AdamW"]
+    assert 0 <= row["norm_relative_difference_vs_torch"] <= 1e-5
     scaled = dtype == "float16"
-    # AdamW fp32: 28; fused: + norm read (2) [+ inf check read (2)]; composition: + widen 6, round
-    # back 6, norm 4, clip 8 [+ unscale 8]
-    assert row["bytes_per_element_by_config"]["fused"] == 28 + 2 + (2 if scaled else 0)
+    # AdamW fp32: 28; fused: + one read (2) for the inf check and the norm; composition: + widen
+    # 6, round back 6, norm 4, clip 8 [+ unscale 8]
+    assert row["bytes_per_element_by_config"]["fused"] == 28 + 2
     assert row["bytes_per_element_by_config"]["composition"] == 28 + 12 + 12 + (8 if scaled else 0)
     with pytest.raises(SystemExit):
         bench.parse_args(["--amp"])  # --amp needs --partners
@@ -218,7 +240,7 @@ def test_partners_arguments_and_check(monkeypatch):
         with pytest.raises(SystemExit):
             cli.parse_args(["--partners", *bad.split()])
     params, grads = [torch.ones(3), torch.randn(2, 2)], [torch.ones(3), torch.randn(2, 2)]
-    assert partners.check("Adam", torch.float16, params, grads) is None
+    assert partners.check("Adam", torch.float16, params, grads) == (None, None)
     step = partners.Partnered.step
 
     def one_off(self):  # the fused configuration's last partner element one bit up
@@ -227,7 +249,7 @@ def test_partners_arguments_and_check(monkeypatch):
             self.partners[1].data.view(-1).view(torch.int16)[-1] += 1
 
     monkeypatch.setattr(partners.Partnered, "step", one_off)
-    msg = partners.check("Adam", torch.bfloat16, params, grads)
+    msg, _ = partners.check("Adam", torch.bfloat16, params, grads)
     assert msg.startswith("AssertionError: partner 1: 1 of 4 elements differ in their bits; first at 3"), msg
 
 

@@ -150,6 +150,16 @@ class FastBackend:
             return FALLBACK_ENGINE
         return FALLBACK_ENGINE if program in self._failed else engine
 
+    def gradient_sums(self, grads, order: float):
+        """Per gradient, the float64 sum a norm of ``order`` (1, 2 or inf) is taken from, in one
+        read-only pass of the numba engine (``numba_engine.norms``); None where this backend
+        composes with torch instead (another engine, or gradients the pass cannot read)."""
+        if self.engine() != "numba" or not numba_engine.norms_supported(grads):
+            return None
+        if float(order) == float("inf") and any(g.numel() == 0 for g in grads):
+            return None  # torch's inf-norm raises on an empty tensor: let it
+        return numba_engine.gradient_sums(grads, order)
+
     @property
     def exact(self) -> bool:
         """Whether this backend's results are bit for bit torch.optim's for-loop."""

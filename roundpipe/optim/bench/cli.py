@@ -23,7 +23,16 @@ from roundpipe.optim import backends as rp_backends
 from . import first_use, partners
 from .engine import FallbackWatch, fast_engine
 from .report import failures_of, plot, report, to_json
-from .timing import bench_one, busy, log, measure_bandwidth, set_threads, summarize_bandwidth, thread_pools
+from .timing import (
+    ForwardBackward,
+    bench_one,
+    busy,
+    log,
+    measure_bandwidth,
+    set_threads,
+    summarize_bandwidth,
+    thread_pools,
+)
 from .workloads import (
     ALL_OPTIMIZERS,
     FOREACH,
@@ -97,6 +106,7 @@ def run(args, busy_pids=()) -> dict:
         "fused_available": fused,
         "partners": partners_dtype,
         "amp": bool(getattr(args, "amp", False)),
+        "after_backward": bool(getattr(args, "after_backward", False)),
         "argv": sys.argv[1:],
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -113,6 +123,7 @@ def run(args, busy_pids=()) -> dict:
     log("measuring memory bandwidth ...")
     bw_samples = measure_bandwidth(bw_numel, bw_repeats)
 
+    before = ForwardBackward() if meta["after_backward"] else None
     t_start = time.perf_counter()
     results = {}
     parts = [w for name in args.workloads for w in workload_parts(name, quick)]
@@ -136,10 +147,11 @@ def run(args, busy_pids=()) -> dict:
                         repeats,
                         wl.name,
                         amp=meta["amp"],
+                        before=before,
                     )
                 else:
                     row = bench_row(
-                        args.backends, name, fused[name], wl, base_params, base_grads, warmup, repeats
+                        args.backends, name, fused[name], wl, base_params, base_grads, warmup, repeats, before
                     )
                 gc.collect()
                 show = str if partners_dtype else label
@@ -168,12 +180,14 @@ def run(args, busy_pids=()) -> dict:
     return {"meta": meta, "bandwidth": bandwidth, "workloads": results}
 
 
-def bench_row(backends, name, fused, wl, base_params, base_grads, warmup, repeats):
+def bench_row(backends, name, fused, wl, base_params, base_grads, warmup, repeats, before=None):
     """The normal mode's row: roundpipe's backends and torch's paths timed (``bench_one``), then
     each backend checked against torch's for-loop (``row.checks``)."""
     torch_configs = [LOOP] if wl.per_param else [LOOP, FOREACH]
     configs = ["rp " + b for b in backends] + torch_configs + ([FUSED] if fused else [])
-    row = bench_one(name, configs, base_params, base_grads, warmup, repeats, wl.name, wl.per_param)
+    row = bench_one(
+        name, configs, base_params, base_grads, warmup, repeats, wl.name, wl.per_param, before=before
+    )
     for b in backends:
         if "rp " + b in row.errors:
             continue
@@ -296,6 +310,12 @@ def parse_args(argv=None):
         default=0,
         metavar="N",
         help="keep N other processes busy (a pure-Python loop each) during the whole run (default 0)",
+    )
+    p.add_argument(
+        "--after-backward",
+        action="store_true",
+        help="run a forward and backward pass (torch, untimed) right before every timed step, as "
+        "in a training loop (default: steps back to back)",
     )
     p.add_argument("--repeats", type=int, help="round-robin repetitions (default 7, --quick 3)")
     p.add_argument("--warmup", type=int, help="warm-up steps per configuration (default 2, --quick 1)")

@@ -19,11 +19,13 @@ step around it (``roundpipe.optim.amp``): with float16 partners loss scaling and
 bfloat16 clipping (``MAX_NORM``, which clips the workloads' gradients). The compositions
 unscale (``GradScaler.unscale_``) and clip (``torch.nn.utils.clip_grad_norm_``) the widened
 fp32 gradients in place; ``fused`` runs ``roundpipe.optim.GradScaler`` and
-``opt.clip_grad_norm_``, which read the partners' gradients once each and fold the unscale and
-the clip coefficient into the step.
+``opt.clip_grad_norm_``, which read the partners' gradients once (the inf check's pass gives the
+norm's sums too) and fold the unscale and the clip coefficient into the step.
 
 Before timing, ``check`` steps ``fused`` and ``composition`` twice from the same inputs and
-compares the masters, the partners and every state tensor bit for bit.
+compares the masters, the partners and every state tensor bit for bit. There the composition
+clips with the fused run's total norm (``clip_grads_with_norm_``): the numba engine's norm is
+torch's to rounding (its own float64 sums), and the check reports how far it is from torch's.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class Partnered:
         self.opt = make_optimizer(opt_config, name, self.masters)
         self.state = self.opt.state
         self.clip = amp
+        self.norm = None  # the last step's total norm
+        self.clip_with = None  # a callable giving the total norm to clip with (else torch's)
+        self.torch_norm = None  # torch's own total norm, where clip_with is set
         self.scaler = None
         if amp and dtype is torch.float16:
             scaler_cls = GradScaler if config == PAIRED else torch.amp.GradScaler
@@ -86,9 +91,13 @@ class Partnered:
             self.scaler.unscale_(self.opt)
         if self.clip:
             if self.grads is None:
-                self.opt.clip_grad_norm_(MAX_NORM)
+                self.norm = self.opt.clip_grad_norm_(MAX_NORM)
+            elif self.clip_with is None:
+                self.norm = torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM)
             else:
-                torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM)
+                self.torch_norm = torch.nn.utils.get_total_norm(self.grads)
+                self.norm = self.clip_with()
+                torch.nn.utils.clip_grads_with_norm_(self.masters, MAX_NORM, self.norm)
         if self.scaler is not None:
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -99,26 +108,37 @@ class Partnered:
 
 
 def check(name, dtype, base_params, base_grads, steps: int = STEPS_CHECKED, amp=False) -> str | None:
-    """None if ``fused`` equals ``composition`` bit for bit after ``steps`` steps (masters,
-    partners, every state tensor), else the first difference (or the error)."""
+    """``(verdict, norm difference)``: None if ``fused`` equals ``composition`` bit for bit
+    after ``steps`` steps (masters, partners, every state tensor), else the first difference
+    (or the error); with ``amp``, the largest relative difference of fused's total norm from
+    torch's ``get_total_norm`` over those steps (the composition clips with fused's)."""
+    worst = None
     try:
         fused = Partnered(PAIRED, name, base_params, base_grads, dtype, amp=amp)
         composed = Partnered(COMPOSITION, name, base_params, base_grads, dtype, amp=amp)
+        composed.clip_with = lambda: fused.norm
         for _ in range(steps):
-            composed.step()
             fused.step()
+            composed.step()
+            if amp:
+                theirs = composed.torch_norm.item()
+                diff = abs(fused.norm.item() - theirs) / theirs
+                worst = diff if worst is None else max(worst, diff)
         extra = [("partner", fused.partners, composed.partners)]
-        return state_mismatch(
+        verdict = state_mismatch(
             fused.state, fused.masters, composed.state, composed.masters, True, "master", extra
         )
     except Exception as e:  # the fused step failing
-        return f"{type(e).__name__}: {e}".strip()
+        verdict = f"{type(e).__name__}: {e}".strip()
+    return verdict, worst
 
 
-def bench_row(name, dtype_name, torch_fused, base_params, base_grads, warmup, repeats, wl, amp=False) -> Row:
+def bench_row(
+    name, dtype_name, torch_fused, base_params, base_grads, warmup, repeats, wl, amp=False, before=None
+) -> Row:
     """The check (``row.checks["fused"]``), then the three configurations timed by ``bench_one``."""
     dtype = DTYPES[dtype_name]
-    verdict = check(name, dtype, base_params, base_grads, amp=amp)
+    verdict, norm_diff = check(name, dtype, base_params, base_grads, amp=amp)
     if verdict is not None:
         log(f"  [{wl}] {name} fused: MISMATCH with the composition: {verdict}")
     path = FUSED if torch_fused else LOOP
@@ -126,8 +146,9 @@ def bench_row(name, dtype_name, torch_fused, base_params, base_grads, warmup, re
     def make(config):
         return Partnered(config, name, base_params, base_grads, dtype, path, amp=amp)
 
-    row = bench_one(name, CONFIGS, base_params, base_grads, warmup, repeats, wl, make=make)
+    row = bench_one(name, CONFIGS, base_params, base_grads, warmup, repeats, wl, make=make, before=before)
     row.checks[PAIRED] = verdict
+    row.norm_vs_torch = norm_diff
     return row
 
 
@@ -152,6 +173,7 @@ def derived(row: Row, meta: dict) -> dict:
         if ok and fused and torch_composed
         else None,
         "bit_for_bit": ok,
+        "norm_relative_difference_vs_torch": row.norm_vs_torch,
     }
 
 
@@ -169,8 +191,11 @@ def format_table(wl: str, res: dict, meta: dict) -> str:
             + ["MISMATCH" if not d["bit_for_bit"] else "n/a" if speedup is None else f"{speedup:.2f}x"]
             + [str(nbytes[COMPOSITION]), str(nbytes[PAIRED]), f"{d['traffic_ratio']:.2f}x"]
         )
+        norm_diff = row.norm_vs_torch
         verdicts.append(
-            f"  {row.optimizer}: " + ("equal" if d["bit_for_bit"] else f"MISMATCH: {row.checks[PAIRED]}")
+            f"  {row.optimizer}: "
+            + ("equal" if d["bit_for_bit"] else f"MISMATCH: {row.checks[PAIRED]}")
+            + ("" if norm_diff is None else f" (total norm vs torch's get_total_norm: {norm_diff:.1e})")
         )
     head = [
         "optimizer",
@@ -188,7 +213,9 @@ def format_table(wl: str, res: dict, meta: dict) -> str:
             "(speedup: composition / fused; traffic: composition / fused B/elem):",
             *_table([*head, "traffic"], lines),
             f"bit for bit, fused vs composition after {STEPS_CHECKED} steps "
-            f"(masters, {dtype} partners, every state tensor):",
+            f"(masters, {dtype} partners, every state tensor"
+            + ("; the relative difference of the norm" if meta.get("amp") else "")
+            + "):",
             *verdicts,
         ]
     )

@@ -138,7 +138,12 @@ def header(result: dict, checked: str, legend: str) -> list[str]:
         f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
         f"roundpipe step {meta['roundpipe_threads']}, cpus {meta['cpu_count']}; "
         f"median of {meta['repeats']} round-robin repetitions "
-        f"after {meta['warmup']} warm-up step(s)",
+        f"after {meta['warmup']} warm-up step(s); "
+        + (
+            "each timed step right after a forward and backward pass (--after-backward)"
+            if meta.get("after_backward")
+            else "steps back to back (--after-backward: each right after a forward and backward pass)"
+        ),
         (
             f"busy: {meta['busy']} other process(es) spinning a pure-Python loop during the whole run"
             if meta["busy"]

@@ -63,6 +63,7 @@ class Row:
     samples_ms: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)  # config -> message
     checks: dict = field(default_factory=dict)  # backend -> None or message
+    norm_vs_torch: float | None = None  # --amp: the clip norm's relative difference from torch's
 
 
 def timed_step(opt) -> float:
@@ -71,11 +72,14 @@ def timed_step(opt) -> float:
     return time.perf_counter() - t0
 
 
-def bench_one(name, configs, base_params, base_grads, warmup, repeats, wl, per_param=False, make=None) -> Row:
+def bench_one(
+    name, configs, base_params, base_grads, warmup, repeats, wl, per_param=False, make=None, before=None
+) -> Row:
     """Every configuration of optimizer ``name`` on fresh copies of the inputs: ``warmup`` steps
     each, then ``repeats`` round-robin rounds of one timed step each (the starting one rotates).
     ``make(config)``: what a configuration steps (anything with ``step()``); by default its
-    optimizer (``make_optimizer``) over a copy of the inputs."""
+    optimizer (``make_optimizer``) over a copy of the inputs. ``before()``: run, untimed, right
+    before every timed step (``--after-backward``: a forward and backward pass)."""
     if make is None:
         make = lambda config: make_optimizer(
             config, name, clone_params(base_params, base_grads), per_param=per_param
@@ -101,6 +105,8 @@ def bench_one(name, configs, base_params, base_grads, warmup, repeats, wl, per_p
         for r in range(repeats):
             for k in range(len(order)):
                 config = order[(r + k) % len(order)]
+                if before is not None:
+                    before()
                 samples[config].append(timed_step(live[config]))
     finally:
         gc.enable()
@@ -111,6 +117,27 @@ def bench_one(name, configs, base_params, base_grads, warmup, repeats, wl, per_p
         row.median_ms[config] = statistics.median(ts) * 1e3
         row.min_ms[config] = min(ts) * 1e3
     return row
+
+
+class ForwardBackward:
+    """``--after-backward``: what a training loop runs before each step, a forward and backward
+    pass on torch's threads (a 3-layer MLP, width 1024, batch 256; its own parameters, not the
+    workload's), so each timed step starts where a training step's does: right after torch's
+    parallel regions, with their threads just gone idle, and the caches full of activations."""
+
+    def __init__(self, width: int = 1024, batch: int = 256):
+        g = torch.Generator().manual_seed(7)
+        self.weights = [
+            torch.nn.Parameter(torch.randn(width, width, generator=g) / width**0.5) for _ in range(3)
+        ]
+        self.x = torch.randn(batch, width, generator=g)
+
+    def __call__(self):
+        h = self.x
+        for w in self.weights:
+            w.grad = None
+            h = torch.relu(h @ w)
+        h.square().mean().backward()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def partner_bytes(name: str, dtype: torch.dtype, amp: bool = False) -> dict[str,
     ``amp`` (``--amp``): clipping, and with float16 loss scaling, around the step. The
     composition adds the norm (read 4) and the clip (read 4, write 4), and with float16 the
     unscale with its inf check (read 4, write 4); ``fused`` adds one read of the low-precision
-    gradients for the norm, and with float16 one more for the inf check."""
+    gradients, which serves both the inf check and the norm."""
     master, read, written = bytes_per_element(name)
     if "grad" not in read or "param" not in written:
         raise ValueError(f"{name}'s program does not read grad and write param: {read} -> {written}")
@@ -80,5 +80,5 @@ def partner_bytes(name: str, dtype: torch.dtype, amp: bool = False) -> dict[str,
     if amp:
         scaled = dtype is torch.float16
         composition += 3 * ELEMENT_BYTES + (2 * ELEMENT_BYTES if scaled else 0)
-        fused += low + (low if scaled else 0)
+        fused += low
     return {"composition": composition, "fused": fused, "torch composition": composition}

@@ -18,7 +18,8 @@ Modules, each importing only those listed before it:
 * ``disk_cache``: kernel modules on disk, next to numba's machine code;
 * ``layout``: the address table and each thread's share of a launch;
 * ``kernels``: compiling (``compile_kernel``) and the process's sqrt kind;
-* ``engine``: ``NumbaEngine``, its launches and their replay.
+* ``engine``: ``NumbaEngine``, its launches and their replay;
+* ``norms``: the gradients' norm sums in one read-only pass (loss scaling and clipping).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from .disk_cache import cache_dir
 from .engine import KernelCompileError, NumbaEngine
 from .kernels import NumbaKernel, compile_kernel, kernel_source, sqrt_kind
 from .layout import pack_layout, partition
+from .norms import gradient_sums
+from .norms import supported as norms_supported
 from .probes import torch_fusion, torch_sqrt
 
 __all__ = [
@@ -59,8 +62,10 @@ __all__ = [
     "cache_dir",
     "compile_kernel",
     "generate",
+    "gradient_sums",
     "import_numba",
     "kernel_source",
+    "norms_supported",
     "pack_layout",
     "partition",
     "sqrt_kind",

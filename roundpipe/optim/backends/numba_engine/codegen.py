@@ -173,6 +173,9 @@ def _kernel_function(name, loop, scratch, setup, inner) -> list:
         "        for item in range(layout[2 + thread], layout[3 + thread]):",
         *_indent(setup, 3),
         *_indent(inner, 3),
+        # numba frees an array after its last use, and the loop reaches the scratch by address
+        # only: used here, it lives until the thread's items are done
+        *(["        scratch[0] = 0"] if scratch else []),
         "",
         "",
     ]

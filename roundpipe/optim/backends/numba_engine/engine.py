@@ -45,7 +45,7 @@ class NumbaEngine:
         # bit for bit torch.optim's for-loop for every program
         self.exact = fusion_exact and sqrt_exact
         logger.debug(
-            "numba engine: numba %s, threading layer %s, fused multiply-adds in %s, sqrt %s (%s)",
+            "numba engine: numba %s, threading layer asked for %s, fused multiply-adds in %s, sqrt %s (%s)",
             self._numba.__version__,
             self._numba.config.THREADING_LAYER,
             sorted(self.fused),
@@ -87,6 +87,8 @@ class NumbaEngine:
                     with keep_torch_threads():  # a first parallel call starts numba's pool
                         dispatcher = kernel.ensure_compiled(nthreads > 1, table.addresses, scalar_rows)
                     hit = compiled[(variant, nthreads > 1)] = (kernel, dispatcher)
+                    if nthreads > 1:
+                        _log_threading_once()
             except Exception as err:  # not KeyboardInterrupt: that propagates as itself
                 raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
             calls.append((hit[1], table.layout(nthreads, rows), scalar_rows))
@@ -151,6 +153,17 @@ class NumbaEngine:
     def _threads(self, total: int) -> int:
         n = min(threads.get_num_threads(), self._numba.config.NUMBA_NUM_THREADS, total // PARALLEL_MIN_NUMEL)
         return max(1, n)
+
+
+_logged_threading = []  # (process-wide; a race logs twice at worst)
+
+
+def _log_threading_once():
+    """Say in the debug log, once a process, which threading layer and OpenMP runtime run the
+    parallel kernels (their pool has just started)."""
+    if not _logged_threading and logger.isEnabledFor(logging.DEBUG):
+        _logged_threading.append(True)
+        logger.debug("numba engine: parallel kernels on %s", threads.threading_report()["summary"])
 
 
 def _pairing_names(columns) -> tuple:

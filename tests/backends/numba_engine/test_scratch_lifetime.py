@@ -9,10 +9,11 @@ import re
 
 import numba
 import numpy as np
+import pytest
 import torch
 
 from roundpipe.optim.backends.formulas import lerp_variant, lerp_weights
-from roundpipe.optim.backends.numba_engine import compile_kernel
+from roundpipe.optim.backends.numba_engine import PARALLEL_MIN_NUMEL, compile_kernel
 from roundpipe.optim.spec.ir import ProgramBuilder, sqrt
 
 _SIGNATURE = numba.types.void(
@@ -39,17 +40,20 @@ def _routine(scribble: int):
     return routine
 
 
-def test_the_scratch_outlives_the_sqrt_routines_allocations():
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_the_scratch_outlives_the_sqrt_routines_allocations(nthreads):
+    """The serial loop (one thread) freed it before the fix; the parallel loop's lived on."""
     b = ProgramBuilder(("param", "grad"))
     b.assign(b.tensor("param"), sqrt(b.tensor("grad")))
     program = b.build()
     kernel = compile_kernel(program, lerp_variant({}, lerp_weights(program)), frozenset(), "routine")
     scratch = int(re.search(r"np\.empty\((\d+), np\.float32\)", kernel.source.source).group(1))
-    grad = torch.rand(1000) * 100  # 15 blocks and a partial one (its padded copy in the scratch)
+    n = 2 * PARALLEL_MIN_NUMEL + 1000 if nthreads > 1 else 1000
+    grad = torch.rand(n) * 100  # full blocks and a partial one (its padded copy in the scratch)
     results = []
     for routine in (_routine(0), _routine(scratch)):
-        param = torch.zeros(1000)
-        kernel.run({"param": param, "grad": grad}, {}, 1, routine.address)
+        param = torch.zeros(n)
+        kernel.run({"param": param, "grad": grad}, {}, nthreads, routine.address)
         results.append(param)
     assert not results[0].isnan().any()
     assert torch.equal(results[0], results[1]), "the routine's allocation overwrote the kernel's scratch"

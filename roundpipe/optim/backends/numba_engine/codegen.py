@@ -174,7 +174,7 @@ def _kernel_function(name, loop, scratch, setup, inner) -> list:
         *_indent(setup, 3),
         *_indent(inner, 3),
         # numba frees an array after its last use, and the loop reaches the scratch by address
-        # only: used here, it lives until the thread's items are done
+        # only: used here, it lives until the thread's items are done (test_scratch_lifetime)
         *(["        scratch[0] = 0"] if scratch else []),
         "",
         "",

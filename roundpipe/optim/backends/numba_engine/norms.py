@@ -31,7 +31,6 @@ from .kernels import keep_torch_threads
 
 CHUNK = 1 << 15  # elements an item of the pass reads (a thread's unit of work)
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ORDERS = (1.0, 2.0, math.inf)
 
 # One loop per stored dtype and order; ``reassoc`` lets LLVM vectorize the float64 sums (their
 # order is the pass's own); no ``nnan``/``ninf``: an inf or NaN must reach the sum.
@@ -71,7 +70,7 @@ def _item(items, order, out, k):
 """
 
 _ORDER_LOOPS = {
-    # order: the expression of one item's result, with X the element as float64
+    # the order's code in the kernel (3: inf) -> its loops' name, one loop per stored dtype
     1: "_abs_sum",
     2: "_square_sum",
     3: "_abs_max",

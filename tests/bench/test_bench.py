@@ -17,6 +17,13 @@ from roundpipe.optim import bench
 from roundpipe.optim.bench import cli, first_use, partners, workloads
 
 
+def _tiny(monkeypatch, shapes=((3,), (100,), (5, 7))):
+    """Every --workloads name runs one tiny workload instead, under the key "small" (the real
+    one's 2,006 tensors take seconds on torch's for-loop)."""
+    tiny = bench.Workload("small", f"{len(shapes)} tensors", tuple(shapes))
+    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+
+
 def test_traffic_is_derived_from_the_programs():
     # reads param, grad, exp_avg, exp_avg_sq and writes all but grad
     assert bench.bytes_per_element("Adam")[0] == 28
@@ -72,8 +79,7 @@ def test_busy_processes_stop_on_error():
 def test_bench_runs(tmp_path, capsys, monkeypatch):
     # the small workload's name, a few tensors (its 2,006 take seconds on torch's for-loop)
     assert len(bench.workload_parts("small", quick=True)[0].shapes) == 2006
-    tiny = bench.Workload("small", "3 tensors", ((3,), (100,), (5, 7)))
-    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    _tiny(monkeypatch)
     out = tmp_path / "bench.json"
     argv = "--quick --optimizers SGD --workloads small --backends reference,fast --busy 1"
     argv += f" --repeats 1 --warmup 0 --json {out}"
@@ -97,8 +103,7 @@ def test_bench_runs(tmp_path, capsys, monkeypatch):
 
 
 def test_after_backward_runs_a_forward_and_backward_before_each_timed_step(capsys, monkeypatch):
-    tiny = bench.Workload("small", "3 tensors", ((3,), (100,), (5, 7)))
-    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    _tiny(monkeypatch)
     calls = []
     real = cli.ForwardBackward
 
@@ -149,8 +154,7 @@ def test_per_param_workload(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_partners_mode(tmp_path, capsys, monkeypatch, dtype):
     """--partners on a tiny workload: the table, the bit-for-bit verdict, the JSON rows."""
-    tiny = bench.Workload("small", "4 tensors", ((3,), (100,), (0,), (5, 7)))
-    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    _tiny(monkeypatch, ((3,), (100,), (0,), (5, 7)))
     out = tmp_path / "partners.json"
     flag = "--partners" if dtype == "bfloat16" else f"--partners {dtype}"  # bfloat16: the flag's default
     argv = f"--quick --optimizers SGD,Adam --workloads small {flag} --repeats 1 --warmup 0 --json {out}"
@@ -189,8 +193,7 @@ def test_partners_mode(tmp_path, capsys, monkeypatch, dtype):
 def test_partners_amp_mode(tmp_path, capsys, monkeypatch, dtype, words):
     """--partners --amp: scaling (float16) and clipping around the step, fused equal to the
     composition, the bytes of the unscale, norm and clip passes."""
-    tiny = bench.Workload("small", "3 tensors", ((3,), (100,), (5, 7)))
-    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    _tiny(monkeypatch)
     out = tmp_path / "amp.json"
     argv = f"--quick --optimizers SGD,AdamW --workloads small --partners {dtype} --amp --repeats 1"
     assert bench.main([*argv.split(), "--warmup", "0", "--json", str(out)]) == 0
@@ -215,8 +218,7 @@ def test_partners_amp_mode(tmp_path, capsys, monkeypatch, dtype, words):
 def test_option_overrides_a_hyperparameter_for_the_run(tmp_path, capsys, monkeypatch):
     """--option SGD.momentum=0: plain SGD in the run (its traffic, the header, the JSON), the
     bench's own options back afterwards; malformed ones are refused."""
-    tiny = bench.Workload("small", "2 tensors", ((3,), (100,)))
-    monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+    _tiny(monkeypatch, ((3,), (100,)))
     out = tmp_path / "plain.json"
     argv = "--quick --optimizers SGD --workloads small --partners --option SGD.momentum=0 --repeats 1"
     assert bench.main([*argv.split(), "--warmup", "0", "--json", str(out)]) == 0

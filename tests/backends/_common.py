@@ -21,8 +21,8 @@ from roundpipe.optim.spec.ir import (
 INPUTS = ("param", "grad", "buf", "acc")
 
 
-def every_function_program():
-    """A program that uses every IR function and operator."""
+def every_function_builder():
+    """The builder of ``every_function_program``, not yet built (to extend), and its tensors."""
     b = ProgramBuilder(INPUTS)
     s = b.s
     param, grad, buf, acc = (b.tensor(n) for n in INPUTS)
@@ -34,7 +34,12 @@ def every_function_program():
     u = b.let("u", clamp(addcdiv(buf - buf, g, d, value=s.one), s.lo, s.hi))
     b.assign(param, addcdiv(param, buf, d, value=s.neg_lr) - u * s.lr + sign(grad) * s.tiny + 0.5 / (d + 1.0))
     b.assign(param, where(param >= 3.0, 3.0 - param, 1.0 + (param - 1.0)))
-    return b.build()
+    return b, (param, grad, buf, acc)
+
+
+def every_function_program():
+    """A program that uses every IR function and operator."""
+    return every_function_builder()[0].build()
 
 
 def inputs(seed, n=257, nan=True):

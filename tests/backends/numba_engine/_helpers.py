@@ -5,19 +5,9 @@ import torch
 
 from roundpipe.optim import backends
 from roundpipe.optim.backends import fast
-from roundpipe.optim.spec.ir import (
-    ProgramBuilder,
-    abs_,
-    add,
-    addcdiv,
-    addcmul,
-    clamp,
-    lerp,
-    maximum,
-    sign,
-    sqrt,
-    where,
-)
+from roundpipe.optim.spec.ir import add, addcmul
+
+from .._common import INPUTS, every_function_builder
 
 # a parameter stepped where it lives (not batched into flat buffers)
 LARGE = fast.SMALL_NUMEL + 5
@@ -45,21 +35,10 @@ def assert_bits(a, b, msg=""):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True, msg=lambda m: f"{msg}: {m}")
 
 
-INPUTS = ("param", "grad", "buf", "acc")
-
-
 def every_function_program():
-    b = ProgramBuilder(INPUTS)
-    s = b.s
-    param, grad, buf, acc = (b.tensor(n) for n in INPUTS)
-    g = b.let("g", add(grad, param, alpha=s.wd))
-    g = b.let("g", where(g > 0.5, -g, where(g <= -2.0, g * 0.5, g)))
-    b.assign(buf, lerp(buf, g, s.w))
-    b.assign(acc, maximum(addcmul(acc * s.beta, g, g, value=s.one_minus_beta), abs_(buf) / 4.0))
-    d = b.let("d", sqrt(acc) + s.eps)
-    u = b.let("u", clamp(addcdiv(buf - buf, g, d, value=s.one), s.lo, s.hi))
-    b.assign(param, addcdiv(param, buf, d, value=s.neg_lr) - u * s.lr + sign(grad) * s.tiny + 0.5 / (d + 1.0))
-    b.assign(param, where(param >= 3.0, 3.0 - param, 1.0 + (param - 1.0)))
+    """``_common.every_function_program`` and a snapshot: a ``let`` of ``param`` that later
+    writes to ``param`` must not change (the kernels keep it in a local of its own)."""
+    b, (param, grad, buf, acc) = every_function_builder()
     old = b.let("old", param)  # a snapshot: later writes to param do not change it
     b.assign(
         param, addcmul(param, grad, grad, value=1.0) + add(old, buf, alpha=-1.0) + add(old, buf, alpha=1.0)

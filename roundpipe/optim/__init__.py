@@ -1,10 +1,10 @@
 """roundpipe.optim: CPU optimizers that are drop-in replacements for ``torch.optim``.
 
-Each class (``Adam``, ``AdamW``, ``SGD`` ... one per entry of the spec registry) subclasses its
-``torch.optim`` namesake (same signature, defaults, errors, state and ``state_dict``) and adds
+Each class (``Adam``, ``AdamW``, ``SGD`` ..., declared in ``optimizers.py``, one per entry of the
+spec registry) subclasses its ``torch.optim`` namesake (same signature, defaults, errors, state and ``state_dict``) and adds
 a keyword-only ``backend=``: ``"fast"`` (the default: the numba engine, one compiled parallel
 pass per step, bit for bit torch.optim's for-loop), ``"fast:torch"`` (chunked torch ops, no
-compiler), ``"fast:numexpr"`` (the design card's numexpr engine) or ``"reference"`` (plain torch
+compiler), ``"fast:numexpr"`` (fused numexpr expressions) or ``"reference"`` (plain torch
 ops); ``ROUNDPIPE_OPTIM_BACKEND`` sets the default.
 
 fp32 masters for a bf16/fp16 model (``masters.py``): ``fp32_masters(model)`` pairs each
@@ -24,31 +24,23 @@ Where things live:
 from .amp import GradScaler, clip_grad_norm_
 from .masters import fp32_masters, pair, partner_of, unpair
 from .optimizer import RoundpipeOptimizer
-from .spec import SPECS
+from .optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
 from .threads import get_num_threads, set_num_threads
 
-
-def _optimizer_class(spec):
-    torch_cls = spec.torch_class
-    return type(
-        spec.name,
-        (RoundpipeOptimizer, torch_cls),
-        {
-            "spec": spec,
-            "__module__": __name__,
-            "__qualname__": spec.name,
-            "__doc__": f"``torch.optim.{torch_cls.__name__}`` on roundpipe's CPU backends; "
-            f"see :class:`torch.optim.{torch_cls.__name__}`.",
-        },
-    )
-
-
-globals().update({name: _optimizer_class(spec) for name, spec in SPECS.items()})
-
 __all__ = [
-    *SPECS,
+    "ASGD",
+    "SGD",
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Adamax",
     "GradScaler",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
     "RoundpipeOptimizer",
+    "Rprop",
     "clip_grad_norm_",
     "fp32_masters",
     "get_num_threads",

@@ -24,6 +24,7 @@ import inspect
 import itertools
 import sys
 import warnings
+from typing import ClassVar
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
@@ -32,7 +33,7 @@ from . import amp, backends, torch_support
 from .masters import partner_of
 from .plan import adopt_flat_state, rollback
 from .plan import build as build_plan
-from .spec.core import Scratch
+from .spec.core import OptimizerSpec, Scratch
 from .tensors import Checked
 
 # 0-d state entries whose scalars are computed on Scratch values rather than tensor clones
@@ -40,9 +41,10 @@ _SCRATCH_DTYPES = (torch.float32, torch.float64)
 
 
 class RoundpipeOptimizer(torch.optim.Optimizer):
-    """Base of the ``roundpipe.optim`` classes; subclasses set ``spec``."""
+    """Base of the ``roundpipe.optim`` classes (``optimizers.py``); subclasses set ``spec``."""
 
-    spec = None  # an OptimizerSpec
+    spec: ClassVar[OptimizerSpec | None] = None
+    _roundpipe_backend: str
     # torch's GradScaler hands the unscale and its inf check to the step (amp.py)
     _step_supports_amp_scaling = True
     _roundpipe_folds_grad_factors = True
@@ -54,7 +56,9 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         torch_cls = cls.spec.torch_class
         if not issubclass(cls, torch_cls):
             raise TypeError(f"{cls.__name__} must subclass {torch_cls.__name__}")
-        cls.__init__ = _make_init(cls, torch_cls)
+        cls.__init__ = _make_init(cls, torch_cls)  # type: ignore[method-assign]
+        if torch_cls.__doc__:  # help() shows torch's description of the algorithm and arguments
+            cls.__doc__ = f"{cls.__doc__ or ''}\n\n{inspect.cleandoc(torch_cls.__doc__)}"
 
     @property
     def backend(self) -> str:

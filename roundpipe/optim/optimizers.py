@@ -1,0 +1,314 @@
+"""The public optimizer classes, one class statement each.
+
+Each subclasses its ``torch.optim`` namesake and ``RoundpipeOptimizer`` (``optimizer.py``), which
+installs at class creation an ``__init__`` with the installed torch's own signature plus the
+keyword-only ``backend``: the arguments, defaults, errors, ``param_groups`` and ``state_dict`` are
+torch's. The ``__init__`` declared under ``TYPE_CHECKING`` is that signature written out for type
+checkers and editors (torch 2.13's, which a test holds against the installed torch); it never
+runs. ``backend``: ``"fast"`` (the default), ``"fast:numba"``, ``"fast:torch"``,
+``"fast:numexpr"`` or ``"reference"`` (``roundpipe.optim.backends``); None reads
+``ROUNDPIPE_OPTIM_BACKEND``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .optimizer import RoundpipeOptimizer
+from .spec import SPECS
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.optim.optimizer import ParamsT
+
+__all__ = [
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "Adamax",
+    "AdamW",
+    "ASGD",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "SGD",
+]
+
+
+class Adadelta(RoundpipeOptimizer, torch.optim.Adadelta):
+    """``torch.optim.Adadelta`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["Adadelta"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 1.0,
+            rho: float = 0.9,
+            eps: float = 1e-06,
+            weight_decay: float = 0,
+            foreach: bool | None = None,
+            *,
+            capturable: bool = False,
+            maximize: bool = False,
+            differentiable: bool = False,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class Adagrad(RoundpipeOptimizer, torch.optim.Adagrad):
+    """``torch.optim.Adagrad`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["Adagrad"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.01,
+            lr_decay: float = 0,
+            weight_decay: float = 0,
+            initial_accumulator_value: float = 0,
+            eps: float = 1e-10,
+            foreach: bool | None = None,
+            *,
+            maximize: bool = False,
+            differentiable: bool = False,
+            fused: bool | None = None,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class Adam(RoundpipeOptimizer, torch.optim.Adam):
+    """``torch.optim.Adam`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["Adam"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.001,
+            betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+            eps: float = 1e-08,
+            weight_decay: float = 0,
+            amsgrad: bool = False,
+            *,
+            foreach: bool | None = None,
+            maximize: bool = False,
+            capturable: bool = False,
+            differentiable: bool = False,
+            fused: bool | None = None,
+            decoupled_weight_decay: bool = False,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class Adamax(RoundpipeOptimizer, torch.optim.Adamax):
+    """``torch.optim.Adamax`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["Adamax"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.002,
+            betas: tuple[float, float] = (0.9, 0.999),
+            eps: float = 1e-08,
+            weight_decay: float = 0,
+            foreach: bool | None = None,
+            *,
+            maximize: bool = False,
+            differentiable: bool = False,
+            capturable: bool = False,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class AdamW(RoundpipeOptimizer, torch.optim.AdamW):
+    """``torch.optim.AdamW`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["AdamW"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.001,
+            betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+            eps: float = 1e-08,
+            weight_decay: float = 0.01,
+            amsgrad: bool = False,
+            *,
+            maximize: bool = False,
+            foreach: bool | None = None,
+            capturable: bool = False,
+            differentiable: bool = False,
+            fused: bool | None = None,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class ASGD(RoundpipeOptimizer, torch.optim.ASGD):
+    """``torch.optim.ASGD`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["ASGD"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.01,
+            lambd: float = 0.0001,
+            alpha: float = 0.75,
+            t0: float = 1000000.0,
+            weight_decay: float = 0,
+            foreach: bool | None = None,
+            maximize: bool = False,
+            differentiable: bool = False,
+            capturable: bool = False,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class NAdam(RoundpipeOptimizer, torch.optim.NAdam):
+    """``torch.optim.NAdam`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["NAdam"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.002,
+            betas: tuple[float, float] = (0.9, 0.999),
+            eps: float = 1e-08,
+            weight_decay: float = 0,
+            momentum_decay: float = 0.004,
+            decoupled_weight_decay: bool = False,
+            *,
+            foreach: bool | None = None,
+            maximize: bool = False,
+            capturable: bool = False,
+            differentiable: bool = False,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class RAdam(RoundpipeOptimizer, torch.optim.RAdam):
+    """``torch.optim.RAdam`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["RAdam"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.001,
+            betas: tuple[float, float] = (0.9, 0.999),
+            eps: float = 1e-08,
+            weight_decay: float = 0,
+            decoupled_weight_decay: bool = False,
+            *,
+            foreach: bool | None = None,
+            maximize: bool = False,
+            capturable: bool = False,
+            differentiable: bool = False,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class RMSprop(RoundpipeOptimizer, torch.optim.RMSprop):
+    """``torch.optim.RMSprop`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["RMSprop"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.01,
+            alpha: float = 0.99,
+            eps: float = 1e-08,
+            weight_decay: float = 0,
+            momentum: float = 0,
+            centered: bool = False,
+            capturable: bool = False,
+            foreach: bool | None = None,
+            maximize: bool = False,
+            differentiable: bool = False,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class Rprop(RoundpipeOptimizer, torch.optim.Rprop):
+    """``torch.optim.Rprop`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["Rprop"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.01,
+            etas: tuple[float, float] = (0.5, 1.2),
+            step_sizes: tuple[float, float] = (1e-06, 50),
+            *,
+            capturable: bool = False,
+            foreach: bool | None = None,
+            maximize: bool = False,
+            differentiable: bool = False,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class SGD(RoundpipeOptimizer, torch.optim.SGD):
+    """``torch.optim.SGD`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+    errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = SPECS["SGD"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.001,
+            momentum: float = 0,
+            dampening: float = 0,
+            weight_decay: float | Tensor = 0,
+            nesterov: bool = False,
+            *,
+            maximize: bool = False,
+            foreach: bool | None = None,
+            differentiable: bool = False,
+            fused: bool | None = None,
+            backend: str | None = None,
+        ) -> None: ...

@@ -1,0 +1,105 @@
+"""The public API as type checkers and editors see it: mypy on a user's script that uses every
+public name (``user_script.py``), the optimizers' declared ``__init__`` (``optimizers.py``)
+against the signature they run with, and ``py.typed``."""
+
+import ast
+import inspect
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import roundpipe
+import roundpipe.optim as ro
+from roundpipe.optim import optimizers
+from roundpipe.optim.spec import SPECS
+
+HERE = pathlib.Path(__file__).parent
+ROOT = HERE.parents[1]
+
+# what mypy must reveal at each reveal_type of user_script.py, in order
+REVEALED = [
+    "roundpipe.optim.optimizers.AdamW",
+    "builtins.str",
+    "builtins.list[torch.nn.parameter.Parameter]",
+    "torch._tensor.Tensor",
+    "torch._tensor.Tensor | None",
+    "builtins.int",
+]
+
+
+def _mypy(tmp_path, script):
+    # as a user's checker sees an installed package: types followed, its own errors not reported
+    cmd = [sys.executable, "-m", "mypy", "--follow-imports=silent", "--show-error-codes"]
+    cmd += ["--no-error-summary", "--cache-dir", str(tmp_path / "cache"), "--no-pretty", str(script)]
+    env = {k: v for k, v in os.environ.items() if k != "MYPYPATH"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_mypy_sees_every_public_name_with_its_type(tmp_path):
+    out = _mypy(tmp_path, HERE / "user_script.py")
+    lines = out.stdout.splitlines()
+    errors = [line for line in lines if ": error:" in line]
+    assert not errors and out.returncode == 0, out.stdout + out.stderr
+    revealed = [line.split('Revealed type is "', 1)[1].rstrip('"') for line in lines if "Revealed type" in line]
+    assert [r.replace("builtins.", "") for r in revealed] == [r.replace("builtins.", "") for r in REVEALED]
+
+
+def test_mypy_flags_a_misspelled_argument(tmp_path):
+    """The declared signatures are what mypy checks calls against: a typo is an error."""
+    script = tmp_path / "typo.py"
+    script.write_text("import torch\nimport roundpipe.optim as ro\nro.AdamW([torch.zeros(1)], weight_decy=0.1)\n")
+    out = _mypy(tmp_path, script)
+    assert out.returncode == 1 and 'Unexpected keyword argument "weight_decy"' in out.stdout, out.stdout
+
+
+def test_the_user_script_names_every_public_name():
+    tree = ast.parse((HERE / "user_script.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert set(ro.__all__) <= imported, sorted(set(ro.__all__) - imported)
+    assert set(SPECS) <= set(ro.__all__), "every registered spec has a public class"
+
+
+def _declared_init(name):
+    """The ``__init__`` declared for the type checker in ``optimizers.py`` for class ``name``."""
+    tree = ast.parse(inspect.getsource(optimizers))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    return next(n for n in ast.walk(cls) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+
+
+def _declared_parameters(fn):
+    """``[(name, kind, default)]`` of a declared ``def``, ``self`` left out."""
+    a = fn.args
+    positional = a.posonlyargs + a.args
+    defaults = [inspect.Parameter.empty] * (len(positional) - len(a.defaults)) + [
+        ast.literal_eval(d) for d in a.defaults
+    ]
+    out = [(p.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, d) for p, d in zip(positional, defaults)]
+    out += [
+        (p.arg, inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.empty if d is None else ast.literal_eval(d))
+        for p, d in zip(a.kwonlyargs, a.kw_defaults)
+    ]
+    return out[1:]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_declared_init_is_the_signature_it_runs_with(name):
+    """The declaration (torch 2.13's signature and ``backend``) names the same parameters, kinds
+    and defaults as the ``__init__`` the class runs with on the installed torch, except
+    parameters an older torch of the supported range lacks (declared, not accepted there)."""
+    runtime = [
+        (p.name, p.kind, p.default)
+        for p in list(inspect.signature(getattr(ro, name).__init__).parameters.values())[1:]
+    ]
+    declared = _declared_parameters(_declared_init(name))
+    names = {n for n, _, _ in runtime}
+    assert [d for d in declared if d[0] in names] == runtime
+    assert runtime[-1][:2] == ("backend", inspect.Parameter.KEYWORD_ONLY)
+
+
+def test_py_typed_ships_with_the_package():
+    marker = pathlib.Path(roundpipe.__file__).parent / "py.typed"
+    assert marker.is_file()
+    assert '"py.typed"' in (ROOT / "pyproject.toml").read_text(), "listed as package data"

@@ -1,11 +1,11 @@
 """roundpipe.optim: CPU optimizers that are drop-in replacements for ``torch.optim``.
 
 Each class (``Adam``, ``AdamW``, ``SGD`` ..., declared in ``optimizers.py``, one per entry of the
-spec registry) subclasses its ``torch.optim`` namesake (same signature, defaults, errors, state and ``state_dict``) and adds
-a keyword-only ``backend=``: ``"fast"`` (the default: the numba engine, one compiled parallel
-pass per step, bit for bit torch.optim's for-loop), ``"fast:torch"`` (chunked torch ops, no
-compiler), ``"fast:numexpr"`` (fused numexpr expressions) or ``"reference"`` (plain torch
-ops); ``ROUNDPIPE_OPTIM_BACKEND`` sets the default.
+spec registry) subclasses its ``torch.optim`` namesake (same signature, defaults, errors, state
+and ``state_dict``) and adds a keyword-only ``backend=``: ``"fast"`` (the default: the numba
+engine, one compiled parallel pass per step, bit for bit torch.optim's for-loop),
+``"fast:torch"`` (chunked torch ops, no compiler), ``"fast:numexpr"`` (fused numexpr
+expressions) or ``"reference"`` (plain torch ops); ``ROUNDPIPE_OPTIM_BACKEND`` sets the default.
 
 fp32 masters for a bf16/fp16 model (``masters.py``): ``fp32_masters(model)`` pairs each
 low-precision parameter with an fp32 master; a step then reads the partner's gradient and writes

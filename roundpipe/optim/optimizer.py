@@ -1,4 +1,4 @@
-"""The optimizer classes' shared machinery: API, validation and the step loop.
+"""The API layer: ``RoundpipeOptimizer``, the base of the public classes (``optimizers.py``).
 
 Each ``roundpipe.optim`` class subclasses its ``torch.optim`` namesake and reuses its
 ``__init__``: the signature, defaults, hyperparameter checks, ``param_groups`` layout,
@@ -9,13 +9,10 @@ module adds:
   ``defaults`` or ``param_groups``, so state dicts stay interchangeable with torch.optim;
 * the contract's placeholders: ``foreach``/``fused`` are ignored with a warning,
   ``capturable=True``/``differentiable=True`` raise ``ValueError``;
-* ``step()``: checks the step plan (``plan/``: built once, checked cheaply every step, rebuilt
-  with full validation when something changed), computes every unit's scalars, and only when
-  all of that has passed writes anything: the 0-d state, then one backend launch per program.
-  When the last step's launches each ran one unit and nothing but the scalars and gradients
-  changed, the step is a *replay*: it repeats them (``_Replay``: the backend's ``rebind``)
-  instead of grouping the units and preparing the launches again, which is most of what a
-  step of one small parameter costs (docs/step-plan.md).
+* ``step()``: torch's hooks around the step, which it hands to the step plan
+  (``plan.run_step``: validation, the scalars, one backend launch per program, the replay of
+  an unchanged step) with the gradient factors loss scaling and clipping left for it
+  (``amp.py``); everything that can fail happens before the first write.
 """
 
 from __future__ import annotations
@@ -31,13 +28,8 @@ from torch.optim import optimizer as _torch_optimizer
 
 from . import amp, backends, torch_support
 from .masters import partner_of
-from .plan import adopt_flat_state, rollback
-from .plan import build as build_plan
-from .spec.core import OptimizerSpec, Scratch
-from .tensors import Checked
-
-# 0-d state entries whose scalars are computed on Scratch values rather than tensor clones
-_SCRATCH_DTYPES = (torch.float32, torch.float64)
+from .plan import adopt_init_state, run_step
+from .spec.core import OptimizerSpec
 
 
 class RoundpipeOptimizer(torch.optim.Optimizer):
@@ -123,191 +115,12 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
                             q.grad.requires_grad_(False)
                         q.grad.zero_()
 
-    def _unit_scalars(self, gp, unit):
-        """A unit's step: ``(scratch, values, flags)``, its 0-d state advanced on scratch copies,
-        the float scalars, and the flags selecting its program. Writes nothing."""
-        heads = unit.scalar_heads
-        if all([t.dtype in _SCRATCH_DTYPES for _, t in heads]):
-            scratch = {n: Scratch(t.item(), t.dtype) for n, t in heads}
-        else:
-            scratch = {n: t.clone() for n, t in heads}
-        try:
-            computed = self.spec.scalars(gp.group, scratch)
-            # bools are flags (they select the program), the rest float scalars
-            values = {
-                k: v if type(v) is float else float(v) for k, v in computed.items() if type(v) is not bool
-            }
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise type(e)(
-                f"roundpipe.optim.{type(self).__name__}: param_groups[{gp.gi}]: "
-                f"cannot compute this step's scalars from the group's hyperparameters: {e}"
-            ) from e
-        flags = unit.flags
-        if len(values) != len(computed):
-            flags = {**flags, **{k: v for k, v in computed.items() if type(v) is bool}}
-        return scratch, values, flags
-
-    def _schedule(self, plan, grads, factors=None):
-        """Each unit's scalars (on scratch copies of its 0-d state) and the step's launches: one
-        per distinct program, over every unit that runs it. Writes nothing. None when a unit's
-        0-d state has stopped being uniform (the plan is rebuilt)."""
-        spec = self.spec
-        writeback = []
-        by_program: dict = {}
-        for gp, group_grads in zip(plan.groups, grads, strict=True):
-            for unit in gp.units:
-                if not unit.uniform():
-                    return None
-                scratch, values, flags = self._unit_scalars(gp, unit)
-                if factors:
-                    flags, values = _with_factors(factors, unit, flags, values)
-                writeback.append((unit, scratch))
-                memo = plan.cache.get(unit)  # the unit's last flags and their program
-                if memo is not None and memo[0] == flags:
-                    program = memo[1]
-                else:
-                    program = spec.program({**gp.options, **flags})
-                    plan.cache[unit] = (flags, program)
-                grad_col = gp.grad_columns(group_grads, unit)
-                by_program.setdefault((program, unit.pairing), []).append((gp, unit, values, grad_col))
-        launches = []
-        for (program, pairing), parts in by_program.items():
-            key = (program, *[id(unit) for _, unit, _, _ in parts])
-            hit = plan.cache.get(key)
-            if hit is None:
-                names = (*program.tensors, "partner") if pairing[1] is not None else program.tensors
-                static = {
-                    n: Checked(t for _, unit, _, _ in parts for t in unit.columns[n])
-                    for n in names
-                    if n != "grad"
-                }
-                hit = plan.cache[key] = (static, {})
-            static, cache = hit
-            columns = dict(static)
-            if "grad" in program.tensors:
-                columns["grad"] = (
-                    parts[0][3] if len(parts) == 1 else Checked(t for *_, col in parts for t in col)
-                )
-            if len(parts) == 1:
-                scalars = parts[0][2]
-            else:
-                scalars = [(values, len(unit.positions)) for _, unit, values, _ in parts]
-            # (the group plan and unit when the launch runs one unit: see _Replay)
-            sole_unit = (parts[0][0], parts[0][1]) if len(parts) == 1 and "grad" in program.tensors else None
-            launches.append((program, scalars, columns, cache, sole_unit))
-        return writeback, launches
-
-    def _replay_schedule(self, plan, grads, factors=None):
-        """The step as the last one ran, when nothing but the scalars and the gradients
-        changed: ``(writeback, launches)`` ready to run, or None (the full path runs). Writes
-        nothing the full path would not overwrite (the backends' scalar rows)."""
-        replay = plan.replay
-        backend = replay.backend
-        writeback, ready = [], []
-        for gp, gi, unit, flags, handle in replay.entries:
-            if not unit.uniform():
-                return None
-            scratch, values, now = self._unit_scalars(gp, unit)
-            if factors:
-                now, values = _with_factors(factors, unit, now, values)
-            if now is not flags and now != flags:
-                return None
-            launch = backend.rebind(handle, values, gp.grad_columns(grads[gi], unit))
-            if launch is None:
-                return None
-            writeback.append((unit, scratch))
-            ready.append(launch)
-        return writeback, ready
-
-
-class _Replay:
-    """What a step on an unchanged plan repeats (``StepPlan.replay``): every launch ran one
-    unit, on a backend that can rebind a launch to new scalars and gradients. Per step it
-    skips the grouping of units into launches and the backend's full ``prepare``."""
-
-    __slots__ = ("backend", "entries")
-
-    def __init__(self, backend, entries):
-        self.backend = backend
-        self.entries = entries  # (group plan, group index, unit, flags, backend's handle)
-
-
-def _with_factors(factors, unit, flags, values):
-    """A unit's flags and scalars with the gradient factors its gradients take (``amp.py``):
-    a partner's low-precision gradient, or its own."""
-    found = factors.for_pairing(unit.pairing[0] is not torch.float32)
-    if not found:
-        return flags, values
-    flags = {**flags, "grad_factors": len(found)}
-    return flags, {**values, **{f"grad_factor_{i}": f for i, f in enumerate(found)}}
-
 
 def _run_step(opt):
     factors = amp.begin_step(opt)  # raises before anything moves where scaling cannot be seen
     if factors is not None:  # None: an inf or NaN under loss scaling, the step modifies nothing
-        _run_plan(opt, factors)
+        run_step(opt, backends.get(opt._roundpipe_backend), factors)
     amp.clear(opt)  # (a step that raised keeps what was recorded for it: it changed nothing)
-
-
-def _run_plan(opt, factors):
-    plan = opt.__dict__.get("_roundpipe_plan")
-    grads = plan.check(opt, opt.spec) if plan is not None else None
-    if grads is not None and plan.replay is not None:
-        try:
-            ready = opt._replay_schedule(plan, grads, factors)
-        except BaseException:
-            opt._roundpipe_plan = None  # rebuilt (and re-validated) by the next step
-            raise
-        if ready is not None:
-            for unit, scratch in ready[0]:
-                unit.write(scratch)
-            for launch in ready[1]:
-                launch()
-            return
-    backend = backends.get(opt._roundpipe_backend)
-    created = []
-    try:
-        if grads is None:
-            # (a step on an unchanged plan has its settings checked by the backend's prepare)
-            backend.check_settings()
-            opt._roundpipe_plan = None
-            plan, grads, created = build_plan(opt, opt.spec, backend)
-            opt._roundpipe_plan = plan
-        plan.replay = None
-        schedule = opt._schedule(plan, grads, factors)
-        if schedule is None:  # a unit's 0-d state is no longer uniform: re-bucket
-            plan, grads, more = build_plan(opt, opt.spec, backend)
-            created += more
-            opt._roundpipe_plan = plan
-            schedule = opt._schedule(plan, grads, factors)
-        writeback, launches = schedule
-        # every launch of the step is prepared (compiled, its workspace allocated) before any
-        # is run: if one cannot start, none does
-        ready = [
-            backend.prepare(prog, scalars, columns, cache) for prog, scalars, columns, cache, _ in launches
-        ]
-    except BaseException:
-        rollback(opt.state, created)
-        opt._roundpipe_plan = None  # rebuilt (and re-validated) by the next step
-        raise
-    # Nothing has been written so far; every check has passed.
-    for unit, scratch in writeback:
-        unit.write(scratch)
-    for launch in ready:
-        launch()
-    if (
-        not plan.valid_for_one_step
-        and hasattr(backend, "replay_handle")
-        and all(sole_unit for *_, sole_unit in launches)
-    ):
-        # the next step may repeat this one's launches (plan.cache holds each unit's flags)
-        gis = {id(gp): gi for gi, gp in enumerate(plan.groups)}
-        entries = tuple(
-            (gp, gis[id(gp)], unit, plan.cache[unit][0], backend.replay_handle(prog, cache))
-            for prog, _, _, cache, (gp, unit) in launches
-        )
-        if all(e[-1] is not None for e in entries):
-            plan.replay = _Replay(backend, entries)
 
 
 def _hooked_step(*args, **kwargs):
@@ -412,15 +225,8 @@ def _make_init(cls, torch_cls):
                 arguments[opt] = None
         self._roundpipe_backend = backends.resolve(backend)
         torch_cls.__init__(*bound.args, **bound.kwargs)
-        below = getattr(backends.get(self._roundpipe_backend), "flat_state_below", 0)
-        if self.state:  # state torch's __init__ created (Adagrad): nobody has seen it
-            for group in self.param_groups:
-                params = [p for p in group["params"] if p in self.state]
-                names = (
-                    [n for n in self.state[params[0]] if n not in self.spec.scalar_state] if params else []
-                )
-                states = [self.state[p] for p in params]
-                adopt_flat_state(params, states, names, below, self.spec.scalar_state)
+        if self.state:  # state torch's __init__ created (Adagrad)
+            adopt_init_state(self, self.spec, backends.get(self._roundpipe_backend).flat_state_below)
         torch_support.check_groups(cls, self.param_groups)
 
     __init__.__signature__ = public_sig

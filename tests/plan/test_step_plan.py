@@ -14,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from roundpipe.optim import optimizer
+from roundpipe.optim.plan import launches
 from tests._against_torch import (
     ALL_BACKENDS,
     LARGE,
@@ -286,13 +286,13 @@ def test_a_plan_that_holds_is_never_rebuilt(backend, monkeypatch):
     on, garbage collections between steps included (the 0-d state's storage check counts
     references: a plan with a reference cycle, freed late, would make it rebuild forever)."""
     builds = []
-    real_build = optimizer.build_plan
+    real_build = launches.build
 
     def counting_build(*args, **kwargs):
         builds.append(1)
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(optimizer, "build_plan", counting_build)
+    monkeypatch.setattr(launches, "build", counting_build)
     opt = two_group_adam(backend)
     for k in range(6):
         set_position_grads(opt, k)

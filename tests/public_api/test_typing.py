@@ -43,14 +43,14 @@ def test_mypy_sees_every_public_name_with_its_type(tmp_path):
     lines = out.stdout.splitlines()
     errors = [line for line in lines if ": error:" in line]
     assert not errors and out.returncode == 0, out.stdout + out.stderr
-    revealed = [line.split('Revealed type is "', 1)[1].rstrip('"') for line in lines if "Revealed type" in line]
+    revealed = [line.split('Revealed type is "')[1].rstrip('"') for line in lines if "Revealed type" in line]
     assert [r.replace("builtins.", "") for r in revealed] == [r.replace("builtins.", "") for r in REVEALED]
 
 
 def test_mypy_flags_a_misspelled_argument(tmp_path):
     """The declared signatures are what mypy checks calls against: a typo is an error."""
     script = tmp_path / "typo.py"
-    script.write_text("import torch\nimport roundpipe.optim as ro\nro.AdamW([torch.zeros(1)], weight_decy=0.1)\n")
+    script.write_text("import torch, roundpipe.optim as ro\nro.AdamW([torch.zeros(1)], weight_decy=0.1)\n")
     out = _mypy(tmp_path, script)
     assert out.returncode == 1 and 'Unexpected keyword argument "weight_decy"' in out.stdout, out.stdout
 
@@ -76,10 +76,11 @@ def _declared_parameters(fn):
     defaults = [inspect.Parameter.empty] * (len(positional) - len(a.defaults)) + [
         ast.literal_eval(d) for d in a.defaults
     ]
-    out = [(p.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, d) for p, d in zip(positional, defaults)]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    out = [(p.arg, kind, d) for p, d in zip(positional, defaults, strict=True)]
     out += [
         (p.arg, inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.empty if d is None else ast.literal_eval(d))
-        for p, d in zip(a.kwonlyargs, a.kw_defaults)
+        for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)
     ]
     return out[1:]
 

@@ -2,6 +2,7 @@
 (``test_typing.py`` runs mypy on it; it is never run). Each ``reveal_type`` is checked there."""
 
 import torch
+from typing_extensions import reveal_type
 
 import roundpipe.optim as ro
 from roundpipe.optim import (

@@ -1,41 +1,10 @@
-"""Backends: interpreters and compilers of the spec (``roundpipe.optim.spec``).
+"""Backends: interpreters and compilers of the spec (``roundpipe.optim.spec``), and their registry.
 
-The whole interface a backend implements (duck-typed):
-
-.. code-block:: python
-
-    class Backend:
-        name: str                     # as passed to backend=
-        def check_settings(self): ... # raise on bad settings (called when a plan is built)
-        def prepare(self, program, scalars, columns, cache) -> launch: ...
-        # optional, for a replay (see below):
-        def replay_handle(self, program, cache) -> handle | None: ...
-        def rebind(self, handle, scalars, grads) -> launch | None: ...
-
-``prepare`` does everything that can fail for running ``program`` (``spec/ir.py``) in place on
-every parameter of ``columns`` (program tensor name -> list of real float32 CPU tensors, one
-per parameter, all contiguous): checks, compilation, workspaces. It writes nothing a user can
-see and returns ``launch``, a function of no arguments that runs the program and, short of a
-crash, cannot fail. A step prepares every launch before it writes anything, so a failure
-anywhere leaves the optimizer exactly as it was (``optimizer.py``). ``scalars`` is one dict of
-per-step scalars for every parameter, or a list of ``(scalars, count)`` segments that cover the
-parameters in order (parameters whose 0-d state differs, e.g. a different ``step``, get
-different scalars). A column of type ``Checked`` has been validated by the step plan; any other
-is checked by the backend that needs it. ``cache`` is a dict the step plan keeps for this call
-site between steps (flat buffers, pointer tables); it is dropped whenever the plan is rebuilt.
-Pairings (``masters.py``): a launch's ``columns`` may hold ``"partner"`` (bfloat16 or float16
-tensors, one per parameter: write each with its updated parameter, as ``partner.copy_(param)``
-rounds), and its ``"grad"`` column may be bfloat16 or float16 (a partner's gradient: read it
-widened to float32). Each column holds one dtype. A backend that does not fuse them runs
-``composed``: widen, the program, round back.
-``prepare`` checks the settings it reads (environment variables) itself, every step: a
-step on an unchanged plan does not call ``check_settings``. ``run(...)`` is ``prepare(...)()``,
-for tools and tests. Optional, for a *replay* (a step that repeats the last step's launches
-with new scalars and gradients, ``optimizer._Replay``): ``replay_handle(program, cache)``
-(called after ``prepare`` ran for that call site: a handle, or None where the backend does not
-replay) and ``rebind(handle, scalars, grads)`` (the launch with this step's scalars, a dict,
-and gradient column; or None, and ``prepare`` runs), which checks the settings as ``prepare``
-does.
+Every backend subclasses ``Backend`` (``backend_api.py``: the interface the step plan calls,
+``prepare`` required, replay and one-pass gradient sums optional). A step prepares every launch
+before it writes anything, so a failure anywhere leaves the optimizer exactly as it was
+(``plan/launches.py``). Pairings (``masters.py``): a backend that does not fuse a launch's
+low-precision gradients and partners runs ``composed``: widen, the program, round back.
 
 The names (``backend=``, or ``ROUNDPIPE_OPTIM_BACKEND``; the default is ``"fast"``):
 
@@ -58,6 +27,7 @@ import importlib
 import os
 import threading
 
+from ..backend_api import Backend  # noqa: F401 (the interface, re-exported for backend authors)
 from ..tensors import Checked
 
 ENV_VAR = "ROUNDPIPE_OPTIM_BACKEND"
@@ -91,7 +61,7 @@ def resolve(name: str | None) -> str:
     return name
 
 
-def get(name: str):
+def get(name: str) -> Backend:
     """The shared backend object for a resolved name (stateless apart from compile caches,
     which are immutable once built)."""
     name = ALIASES.get(name, name)

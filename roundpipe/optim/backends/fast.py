@@ -39,6 +39,7 @@ import warnings
 import torch
 
 from .. import threads
+from ..backend_api import Backend
 from ..tensors import contiguous_run
 from . import CompileCache, composed, numba_engine, numexpr_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
@@ -100,10 +101,10 @@ _torch_programs = CompileCache()
 _numexpr_programs = CompileCache()
 
 
-class FastBackend:
+class FastBackend(Backend):
     """See the module docstring; ``engine``: fixed engine (None: the environment, the default)."""
 
-    # the step plan keeps the state of small parameters in flat buffers (plan.adopt_flat_state)
+    # the torch and numexpr engines batch small parameters, stepping their flat state in place
     flat_state_below = SMALL_NUMEL
 
     def __init__(self, engine: str | None = None):
@@ -121,7 +122,6 @@ class FastBackend:
             self.numba_engine()  # without numba, fast:numba raises ImportError when chosen
 
     def check_settings(self):
-        """Raise now, before a step modifies anything, if the environment's settings are bad."""
         engine_setting(self._engine)
         threads.get_num_threads()
 
@@ -151,9 +151,8 @@ class FastBackend:
         return FALLBACK_ENGINE if program in self._failed else engine
 
     def gradient_sums(self, grads, order: float):
-        """Per gradient, the float64 sum a norm of ``order`` (1, 2 or inf) is taken from, in one
-        read-only pass of the numba engine (``numba_engine.norms``); None where this backend
-        composes with torch instead (another engine, or gradients the pass cannot read)."""
+        """The numba engine's one read-only pass (``numba_engine.norms``); None on another
+        engine, or for gradients the pass cannot read."""
         if self.engine() != "numba" or not numba_engine.norms_supported(grads):
             return None
         if float(order) == float("inf") and any(g.numel() == 0 for g in grads):
@@ -162,7 +161,6 @@ class FastBackend:
 
     @property
     def exact(self) -> bool:
-        """Whether this backend's results are bit for bit torch.optim's for-loop."""
         engine = self.engine()
         if engine == "numba":
             return self.numba_engine().exact
@@ -233,20 +231,14 @@ class FastBackend:
         )
 
     def replay_handle(self, program, cache):
-        """What ``rebind`` needs to replay the launch ``prepare`` just returned for this call
-        site (``cache``), or None (the numba engine only: the others are not worth it)."""
+        """The numba engine's record of its launch (``numba_engine.engine.LaunchRecord``); the
+        other engines do not replay (their prepare costs little beside their launch)."""
         return cache.get("numba", _NO_CACHE).get("replay")
 
     def rebind(self, handle, scalars, grads):
-        """The launch of ``handle`` (from ``replay_handle``) with new scalars (a dict) and
-        gradients, everything else as it was; or None (``prepare`` then runs)."""
         if engine_setting(self._engine)[0] != "numba":
             return None
-        return handle.rebind_grads(self._numba, scalars, grads)
-
-    def run(self, program, scalars, columns, cache=None):
-        """``prepare`` then launch (for tools and tests)."""
-        self.prepare(program, scalars, columns, {} if cache is None else cache)()
+        return handle.rebind(self._numba, scalars, grads)
 
     def _prepare_batched(self, engine, program, scalars, columns, cache):
         nthreads = threads.get_num_threads()
@@ -288,16 +280,16 @@ class FastBackend:
         (allocated here, before the step writes anything), large ones where they live."""
         names = list(columns)
         params = columns["param"]
-        plan = cache.get("plan")
-        if plan is None or plan[0] is not params:
+        batching = cache.get("batching")  # which parameters are batched as small
+        if batching is None or batching[0] is not params:
             numels = [p.numel() for p in params]
             small = [i for i, n in enumerate(numels) if 0 < n < SMALL_NUMEL]
             large = [i for i, n in enumerate(numels) if n >= SMALL_NUMEL]
             if len(small) == 1:
                 large, small = sorted(large + small), []
-            plan = cache["plan"] = (params, small, large, numels)
+            batching = cache["batching"] = (params, small, large, numels)
             cache.pop("ws", None)
-        _, small, large, numels = plan
+        _, small, large, numels = batching
         units = [{name: columns[name][i] for name in names} for i in large]
         if not small:
             return lambda: execute(units)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from ..backend_api import Backend
 from ..spec.ir import Assign, Bin, Call, Const, Let, Scalar, Tensor
 from . import composed, segments
 from .torch_ops import BINARY, FUNCTIONS
@@ -45,12 +46,12 @@ def run_program(program, scalars, tensors):
             env[st.target].copy_(result)
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     name = "reference"
-    exact = True  # bit for bit torch.optim's for-loop: the same torch ops (conformance.cases.BIT_EXACT)
 
-    def check_settings(self):
-        pass
+    @property
+    def exact(self) -> bool:
+        return True  # the same torch ops as the for-loop (conformance.cases.BIT_EXACT)
 
     def prepare(self, program, scalars, columns, cache=None):
         """The launch of ``program`` on every parameter of ``columns`` (see ``backends``), one by
@@ -73,6 +74,3 @@ class ReferenceBackend:
                 run_program(program, values, tensors)
 
         return launch
-
-    def run(self, program, scalars, columns, cache=None):
-        self.prepare(program, scalars, columns, cache)()

@@ -27,10 +27,14 @@ The modules, from the floor up (docs/step-plan.md has the design and the measure
 * ``units.py``: ``Unit`` and the bucketing of a group's parameters into units;
 * ``groups.py``: ``GroupPlan``, one param group's plan and its per-step gradient check;
 * ``state.py``: the state a plan reads, created, adopted into flat buffers, rolled back;
-* ``step_plan.py``: ``StepPlan`` and ``build``.
+* ``step_plan.py``: ``StepPlan`` and ``build``;
+* ``launches.py``: a step on the plan (``run_step``): the units' scalars, one launch per
+  program prepared by the backend before anything is written, and the replay of the last
+  step's launches.
 """
 
-from .state import adopt_flat_state, rollback
+from .launches import run_step
+from .state import adopt_flat_state, adopt_init_state, rollback
 from .step_plan import StepPlan, build
 
-__all__ = ["StepPlan", "adopt_flat_state", "build", "rollback"]
+__all__ = ["StepPlan", "adopt_flat_state", "adopt_init_state", "build", "rollback", "run_step"]

@@ -73,6 +73,17 @@ def adopt_flat_state(params, states, names, below, scalar_names=()):
     return moved
 
 
+def adopt_init_state(opt, spec, below):
+    """State that torch's ``__init__`` created (Adagrad's): nobody has seen it yet, so it goes
+    into flat buffers as the state a step creates does (``adopt_flat_state``)."""
+    for group in opt.param_groups:
+        params = [p for p in group["params"] if p in opt.state]
+        if not params:
+            continue
+        names = [n for n in opt.state[params[0]] if n not in spec.scalar_state]
+        adopt_flat_state(params, [opt.state[p] for p in params], names, below, spec.scalar_state)
+
+
 def _tiled(tensors) -> bool:
     return contiguous_run(tensors) is not None
 

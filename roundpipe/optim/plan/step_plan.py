@@ -31,7 +31,8 @@ class StepPlan:
         "state_dicts",
         "pairings",
         "groups",
-        "cache",
+        "programs",
+        "launch_caches",
         "valid_for_one_step",
         "replay",
     )
@@ -43,10 +44,12 @@ class StepPlan:
         self.state_dicts = tuple(opt.state.values())
         self.pairings = masters.generation()  # pair()/unpair() since: rebuild
         self.groups = tuple(groups)
-        self.cache: dict = {}  # launch key -> (static columns, backend cache)
+        self.programs: dict = {}  # unit -> (its last flags, their program)
+        # (program, its units' ids) -> (the launch's static columns, the backend's cache)
+        self.launch_caches: dict = {}
         # init flags (SGD's ``first``) hold for the step that created the state only
         self.valid_for_one_step = False
-        self.replay = None  # what the next step may repeat (optimizer._Replay)
+        self.replay = None  # what the next step may repeat (launches.Replay)
 
     def check(self, opt, spec):
         """This step's gradients per group, or None if the plan no longer holds."""
@@ -99,7 +102,7 @@ def build(opt, spec, backend=None):
         work.append((gi, group, indices, params, pairs))
     check_overlap(name, work)
     created = []  # (param, state dict, number of entries it had, whether it was added to state)
-    below = getattr(backend, "flat_state_below", 0)
+    below = backend.flat_state_below if backend is not None else 0
     try:
         groups = []
         for gi, group, indices, params, pairs in work:

@@ -1,5 +1,6 @@
 """The engine: a step's launches prepared (kernels compiled, the address table and the layout
-built, the scalars' rows written) and run; and the replay of the last launch (``_LaunchRecord``).
+built, the scalars' rows written) and run; and the record of the last launch, which a replay
+repeats (``LaunchRecord``).
 
 Everything that can fail happens in ``prepare``, before a step writes anything; the launch it
 returns only runs the kernels. A launch's table lives in the step plan's cache of one
@@ -59,12 +60,7 @@ class NumbaEngine:
     def prepare(self, program, scalars, columns, cache):
         """Everything a launch over ``columns`` needs (kernels compiled, the address table, the
         scalars' rows, the layout), or an exception; returns ``launch()``, which only runs the
-        kernels. See ``backends``."""
-        record = cache.get("replay")
-        if record is not None and record.program is program and type(scalars) is dict:
-            launch = record.rebind(self, scalars, columns)
-            if launch is not None:
-                return launch
+        kernels. See ``backend_api``."""
         params = columns["param"]
         weights = lerp_weights(program)
         by_variant: dict = {}
@@ -94,9 +90,7 @@ class NumbaEngine:
             calls.append((hit[1], table.layout(nthreads, rows), scalar_rows))
         launch = _launcher(self._numba, nthreads, calls, table, self.sqrt_routine)
         if len(calls) == 1 and type(scalars) is dict:
-            cache["replay"] = self._record(
-                program, weights, variant, nthreads, table, hit[0], calls[0], launch
-            )
+            cache["replay"] = self._record(weights, variant, nthreads, table, hit[0], calls[0], launch)
         else:
             cache.pop("replay", None)
         return launch
@@ -120,7 +114,7 @@ class NumbaEngine:
             table.update(r, columns[name])
         return table
 
-    def _record(self, program, weights, variant, nthreads, table, kernel, call, launch):
+    def _record(self, weights, variant, nthreads, table, kernel, call, launch):
         """What the next step needs to repeat this launch (one kernel call) with new scalars
         and gradients: its ``direct_call`` is, on one thread, the serial kernel's call itself
         (its gradient row is refreshed in place), else the launch."""
@@ -131,7 +125,7 @@ class NumbaEngine:
             )
         else:
             direct_call = launch
-        return _LaunchRecord(program, weights, variant, nthreads, table, kernel, call[2], launch, direct_call)
+        return LaunchRecord(weights, variant, nthreads, table, kernel, call[2], direct_call)
 
     @staticmethod
     def _rows(kernel, parts, n, weights, cache):
@@ -210,13 +204,13 @@ def _nothing():
 _VARIANTS: dict = {}
 
 
-class _LaunchRecord:
+class LaunchRecord:
     """The last launch of one program over one segment of scalars, kept for a replay (in the
-    plan's cache, so one optimizer's: never shared between threads). When the program, the
-    lerp variant, the thread count and every column but the gradients are the same, a step's
-    prepare is writing its scalars into ``scalar_rows`` and its gradients' addresses."""
+    plan's cache, so one optimizer's: never shared between threads): the handle the fast
+    backend's ``replay_handle`` gives. When the lerp variant and the thread count are the same,
+    a replayed step writes its scalars into ``scalar_rows`` and its gradients' addresses."""
 
-    # (what rebind_grads reads first, together: fewer cache lines)
+    # (what rebind reads first, together: fewer cache lines)
     __slots__ = (
         "weights",
         "variant",
@@ -227,20 +221,14 @@ class _LaunchRecord:
         "grad_addresses",
         "scalar_rows",
         "direct_call",
-        "program",
-        "table",
-        "launch",
     )
 
-    def __init__(self, program, weights, variant, nthreads, table, kernel, scalar_rows, launch, direct_call):
-        self.program = program
+    def __init__(self, weights, variant, nthreads, table, kernel, scalar_rows, direct_call):
         self.weights = weights
         self.variant = _VARIANTS.setdefault(variant, variant)  # shared: one object less to read
         self.nthreads = nthreads
-        self.table = table
         self.scalar_rows = scalar_rows
-        self.launch = launch
-        # rebind_grads's launch: the kernel's call without the table's bookkeeping (a step of
+        # rebind's launch: the kernel's call without the table's bookkeeping (a step of
         # one small parameter pays for every object it touches: they are out of cache by the
         # time the next step of the same optimizer comes)
         self.direct_call = direct_call
@@ -249,21 +237,9 @@ class _LaunchRecord:
         # the row's scalars (scalar_env's variables, in the kernel's order)
         self.names, self.complements = kernel.row_layout(weights)
 
-    def rebind(self, engine, scalars, columns):
-        """The launch for this step, or None when something differs (the full prepare runs)."""
-        table = self.table
-        if columns["param"] is not table.params:
-            return None
-        row = self._scalar_row(engine, scalars)
-        if row is None:
-            return None
-        for r, name in enumerate(table.names):
-            table.update(r, columns[name])
-        self.scalar_rows[0, : len(row)] = row
-        return self.launch
-
-    def rebind_grads(self, engine, scalars, grads):
-        """``rebind`` when only the scalars and the gradients (a ``Checked`` column) are new."""
+    def rebind(self, engine, scalars, grads):
+        """The launch with new scalars and gradients (a ``Checked`` column), or None when it
+        needs another kernel or thread count (the full prepare runs)."""
         row = self._scalar_row(engine, scalars)
         if row is None:
             return None

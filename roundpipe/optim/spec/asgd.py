@@ -50,7 +50,7 @@ def scalars(group, state):
     return out
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param, ax = b.tensor("param"), b.tensor("ax")
     grad = gradient(o, b, complex_decay=False)
@@ -69,7 +69,7 @@ ASGD = OptimizerSpec(
     options,
     inputs,
     scalars,
-    program,
+    statements,
     scalar_state=("step", "eta", "mu"),
     flags=("average",),
 )

@@ -27,10 +27,11 @@ Each optimizer module in this package (``adam.py``, ``sgd.py`` ...) defines one
     (RAdam's rectification, ASGD's ``mu == 1``; declared in ``flags``). It sees nothing but the
     group and the 0-d state, so parameters whose 0-d state is equal get equal scalars: the step loop calls it
     once per distinct 0-d state, not once per parameter.
-``program(o, b)``
+``statements(o, b)``
     adds the elementwise statements for options ``o`` (attribute access; static options and
     this step's flags) to ``b``, a :class:`~roundpipe.optim.spec.ir.ProgramBuilder` over
-    ``inputs(o)``. Programs are built once per options and cached.
+    ``inputs(o)``. ``OptimizerSpec.program(options)`` runs it, builds the
+    :class:`~roundpipe.optim.spec.ir.Program` (``b.build()``) and caches it per options.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class OptimizerSpec:
     options: Callable
     inputs: Callable
     scalars: Callable
-    build: Callable
+    statements: Callable
     scalar_state: tuple = ("step",)
     flags: tuple = ()  # per-step flags (bools from init_state or scalars) that select the program
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -92,7 +93,7 @@ class OptimizerSpec:
                     o = Options(dict(options))
                     b = ProgramBuilder(self.inputs(o))
                     gradient_factors(b, o.get("grad_factors", 0))
-                    self.build(o, b)
+                    self.statements(o, b)
                     prog = b.build()
                     self._cache[key] = prog
         return prog

@@ -46,7 +46,7 @@ def scalars(group, state):
     }
 
 
-def program(o, b):
+def statements(o, b):
     s, param = b.s, b.tensor("param")
     grad = blocks.gradient(o, b, complex_decay=False)
     exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
@@ -62,6 +62,6 @@ NADAM = OptimizerSpec(
     options,
     inputs,
     scalars,
-    program,
+    statements,
     scalar_state=("step", "mu_product"),
 )

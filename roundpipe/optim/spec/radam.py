@@ -47,7 +47,7 @@ def scalars(group, state):
     return out
 
 
-def program(o, b):
+def statements(o, b):
     s, param = b.s, b.tensor("param")
     grad = blocks.gradient(o, b, complex_decay=False)
     exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
@@ -60,5 +60,5 @@ def program(o, b):
 
 
 RADAM = OptimizerSpec(
-    "RAdam", torch.optim.RAdam, init_state, options, inputs, scalars, program, flags=("rectify",)
+    "RAdam", torch.optim.RAdam, init_state, options, inputs, scalars, statements, flags=("rectify",)
 )

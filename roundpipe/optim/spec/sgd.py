@@ -44,7 +44,7 @@ def inputs(o):
     return ["param", "grad"] + (["momentum_buffer"] if o.momentum else [])
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param = b.tensor("param")
     grad = gradient(o, b)
@@ -63,5 +63,5 @@ def program(o, b):
 
 
 SGD = OptimizerSpec(
-    "SGD", torch.optim.SGD, init_state, options, inputs, scalars, program, scalar_state=(), flags=("first",)
+    "SGD", torch.optim.SGD, init_state, options, inputs, scalars, statements, scalar_state=(), flags=("first",)
 )

@@ -43,4 +43,14 @@ def statements(o, b):
     b.assign(param, addcdiv(param, grad, std, value=s.neg_clr))
 
 
-ADAGRAD = OptimizerSpec("Adagrad", torch.optim.Adagrad, init_state, options, inputs, scalars, statements)
+ADAGRAD = OptimizerSpec(
+    "Adagrad",
+    torch.optim.Adagrad,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.05, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
+    fidelity_kwargs=dict(lr=0.05),
+)

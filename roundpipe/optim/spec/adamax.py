@@ -50,4 +50,14 @@ def statements(o, b):
     b.assign(param, addcdiv(param, exp_avg, exp_inf, value=s.neg_clr))
 
 
-ADAMAX = OptimizerSpec("Adamax", torch.optim.Adamax, init_state, options, inputs, scalars, statements)
+ADAMAX = OptimizerSpec(
+    "Adamax",
+    torch.optim.Adamax,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.01, weight_decay=0.1),
+    fidelity_kwargs=dict(lr=1e-2),
+)

@@ -64,4 +64,6 @@ NADAM = OptimizerSpec(
     scalars,
     statements,
     scalar_state=("step", "mu_product"),
+    rich_kwargs=dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
+    fidelity_kwargs=dict(lr=1e-2),
 )

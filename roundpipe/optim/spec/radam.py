@@ -60,5 +60,15 @@ def statements(o, b):
 
 
 RADAM = OptimizerSpec(
-    "RAdam", torch.optim.RAdam, init_state, options, inputs, scalars, statements, flags=("rectify",)
+    "RAdam",
+    torch.optim.RAdam,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    flags=("rectify",),
+    # with the default betas, it rectifies from step 6 on
+    rich_kwargs=dict(lr=0.01, weight_decay=0.1),
+    fidelity_kwargs=dict(lr=1e-2),
 )

@@ -68,4 +68,14 @@ def statements(o, b):
         b.assign(param, addcdiv(param, grad, avg, value=s.neg_lr))
 
 
-RMSPROP = OptimizerSpec("RMSprop", torch.optim.RMSprop, init_state, options, inputs, scalars, statements)
+RMSPROP = OptimizerSpec(
+    "RMSprop",
+    torch.optim.RMSprop,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1),
+    fidelity_kwargs=dict(lr=1e-3, centered=True, momentum=0.5),
+)

@@ -55,4 +55,14 @@ def statements(o, b):
     b.assign(prev, grad)
 
 
-RPROP = OptimizerSpec("Rprop", torch.optim.Rprop, init_state, options, inputs, scalars, statements)
+RPROP = OptimizerSpec(
+    "Rprop",
+    torch.optim.Rprop,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.01, etas=(0.4, 1.3)),
+    fidelity_kwargs={},
+)

@@ -18,7 +18,7 @@ import torch
 import roundpipe.optim
 from roundpipe.optim.spec import SPECS
 
-# All eleven optimizers, from the spec registry (the one list of names)
+# Every optimizer, from the spec registry (the one list of names)
 OPTIMIZER_NAMES = list(SPECS)
 # every engine: "fast" is its default engine, numba (or the torch engine where numba fails)
 BACKENDS = ["fast", "fast:torch", "fast:numexpr", "reference"]
@@ -27,22 +27,9 @@ ENGINE_ENV_VAR = "ROUNDPIPE_OPTIM_ENGINE"
 THREADS_ENV_VAR = "ROUNDPIPE_OPTIM_NUM_THREADS"
 
 # Hyperparameters that switch on the optimizer's state and optional branches (all valid for
-# torch), for tests that train a few steps and compare.
-RICH_KWARGS = {
-    "Adadelta": dict(lr=0.5, rho=0.8, weight_decay=0.1),
-    "Adagrad": dict(lr=0.05, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
-    "Adam": dict(lr=0.01, weight_decay=0.1, amsgrad=True),
-    "Adamax": dict(lr=0.01, weight_decay=0.1),
-    "AdamW": dict(lr=0.01, amsgrad=True),
-    # a small t0 makes ASGD start averaging (mu != 1) within a few steps
-    "ASGD": dict(lr=0.01, t0=2.0, lambd=1e-3, weight_decay=0.1),
-    "NAdam": dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
-    # RAdam rectifies from step 6 on with the default betas
-    "RAdam": dict(lr=0.01, weight_decay=0.1),
-    "RMSprop": dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1),
-    "Rprop": dict(lr=0.01, etas=(0.4, 1.3)),
-    "SGD": dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
-}
+# torch), for tests that train a few steps and compare: each spec's ``rich_kwargs``, so that a
+# new optimizer brings its own (copies: a test may add to them).
+RICH_KWARGS = {name: dict(spec.rich_kwargs) for name, spec in SPECS.items()}
 
 # float32 tolerances for runs that must agree up to rounding
 TOL = dict(rtol=2e-5, atol=2e-6)

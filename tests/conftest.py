@@ -1,8 +1,8 @@
 """Fixtures shared by the unit tests.
 
-``name`` runs a test for each of the eleven optimizers. ``backend`` runs it on every engine:
-``fast`` (its default, numba), ``fast:torch``, ``fast:numexpr`` and ``reference``; the
-fixture's value is the backend name to pass as ``backend=``.
+``name`` runs a test for each optimizer of the spec registry (``SPECS``). ``backend`` runs it
+on every engine: ``fast`` (its default, numba), ``fast:torch``, ``fast:numexpr`` and
+``reference``; the fixture's value is the backend name to pass as ``backend=``.
 
 Every test starts from the same roundpipe state, whatever ran before it in the process (and
 whatever order the tests run in; see ``ROUNDPIPE_TEST_ORDER`` in the top-level

@@ -53,6 +53,7 @@ import pytest
 import torch
 
 import roundpipe.optim as ro
+from roundpipe.optim.spec import SPECS
 
 from ._util import OPTIMIZER_NAMES
 
@@ -61,19 +62,8 @@ PROBLEMS = 16  # independent least-squares problems, the rows of one parameter
 ROWS, COLS = 64, 16  # each problem: min_w |A w - b|^2 / (2 ROWS), A: ROWS x COLS
 B_SCALE = 30.0  # puts the optimum far from the start (see the module docstring)
 MARGIN = 2.0  # on the median ratio: numexpr's is 0.90 to 1.11, a slightly wrong update's 71 or more
-KWARGS = {
-    "Adadelta": {},
-    "Adagrad": {"lr": 0.05},
-    "Adam": {"lr": 1e-2, "weight_decay": 1e-3},
-    "AdamW": {"lr": 1e-2, "amsgrad": True},
-    "Adamax": {"lr": 1e-2},
-    "ASGD": {"lr": 1e-2, "t0": 100},
-    "NAdam": {"lr": 1e-2},
-    "RAdam": {"lr": 1e-2},
-    "RMSprop": {"lr": 1e-3, "centered": True, "momentum": 0.5},
-    "Rprop": {},
-    "SGD": {"lr": 1e-2, "momentum": 0.9, "nesterov": True},
-}
+# each optimizer's hyperparameters for this run: its spec's ``fidelity_kwargs``
+KWARGS = {name: dict(spec.fidelity_kwargs) for name, spec in SPECS.items()}
 RESULTS: dict = {}
 
 

@@ -1,4 +1,4 @@
-"""API parity with torch.optim for all eleven classes: signature, defaults, subclassing,
+"""API parity with torch.optim for every class: signature, defaults, subclassing,
 hyperparameter errors (type and message), a tensor lr at construction (the same outcome as
 torch's), and the compatibility placeholders (foreach/fused warn and are ignored,
 capturable/differentiable=True raise).

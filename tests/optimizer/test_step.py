@@ -427,7 +427,7 @@ def test_nan_and_inf_propagate_like_torch(name, backend, request):
     ),
 )
 def test_nan_and_inf_propagate_like_torch_complex(backend):
-    """The same for complex64 parameters, all eleven optimizers (one report listing each)."""
+    """The same for complex64 parameters, every optimizer (one report listing each)."""
     problems = []
     for name in OPTIMIZER_NAMES:
         params = [

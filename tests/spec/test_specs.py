@@ -3,9 +3,13 @@ builds a valid program for every combination of its options, creates every input
 state, and declares the flags its scalars return.
 """
 
+from collections.abc import Mapping
+
 import pytest
 import torch
 
+from conformance import cases
+from roundpipe.optim.bench import workloads
 from roundpipe.optim.spec import SPECS
 from roundpipe.optim.spec.core import Options
 from roundpipe.optim.spec.ir import (
@@ -22,9 +26,43 @@ from tests._util import (
     torch_class,
 )
 
+from .. import test_fidelity
 
-def test_specs_cover_all_optimizers():
-    assert sorted(SPECS) == sorted(OPTIMIZER_NAMES)
+
+def test_every_table_covers_every_spec():
+    """The per-optimizer tables the tests and the bench read hold every registered spec and
+    nothing else: each is derived from ``SPECS`` but the conformance cases, which a new
+    optimizer adds by hand (CONTRIBUTING.md)."""
+    tables = {
+        "tests/_util.py OPTIMIZER_NAMES (the name fixture)": OPTIMIZER_NAMES,
+        "tests/_util.py RICH_KWARGS": RICH_KWARGS,
+        "tests/test_fidelity.py KWARGS": test_fidelity.KWARGS,
+        "conformance/cases.py OPTIMIZERS": cases.OPTIMIZERS,
+        "conformance/cases.py CASES_BY_OPTIMIZER": cases.CASES_BY_OPTIMIZER,
+        "roundpipe/optim/bench/workloads.py OPTIONS": workloads.OPTIONS,
+    }
+    for where, table in tables.items():
+        missing, unknown = sorted(set(SPECS) - set(table)), sorted(set(table) - set(SPECS))
+        assert not missing and not unknown, f"{where}: missing {missing}, not a spec {unknown}"
+    assert all(cases.CASES_BY_OPTIMIZER[n] for n in SPECS), "an optimizer without conformance cases"
+
+
+def test_spec_carries_valid_test_kwargs(name):
+    """Both kwargs sets are mappings of constructor arguments that torch's class and roundpipe's
+    accept, and ``rich_kwargs`` switches on every state tensor any of the spec's programs binds
+    and weight decay where the optimizer has it (what the tests that use it rely on)."""
+    spec = SPECS[name]
+    for field in ("rich_kwargs", "fidelity_kwargs"):
+        kwargs = getattr(spec, field)
+        assert isinstance(kwargs, Mapping), (field, kwargs)
+        torch_class(name)([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+        rp_class(name)([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+    bound = {n for opts, _ in all_programs(spec) for n in spec.inputs(Options(opts))}
+    group, p = default_group(spec, **spec.rich_kwargs)
+    state = {}
+    spec.init_state(group, p, state)
+    assert bound - {"param", "grad"} <= set(state), (sorted(bound), sorted(state))
+    assert spec.options(group).get("weight_decay", True), "rich_kwargs leave weight decay off"
 
 
 def test_spec_metadata(name):

@@ -13,7 +13,7 @@ from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim.spec import SPECS
 
-# the eleven optimizers, in the spec registry's order
+# every optimizer, in the spec registry's order
 ALL_OPTIMIZERS = tuple(SPECS)
 
 # Representative settings: torch's defaults, except SGD with momentum (plain SGD is rare).

@@ -35,7 +35,7 @@ def scalars(group, state):
     }
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param = b.tensor("param")
     square_avg, acc_delta = b.tensor("square_avg"), b.tensor("acc_delta")
@@ -47,4 +47,14 @@ def program(o, b):
     b.assign(param, add_on_complex(o, param, delta, s.neg_lr))  # after view_as_complex
 
 
-ADADELTA = OptimizerSpec("Adadelta", torch.optim.Adadelta, init_state, options, inputs, scalars, program)
+ADADELTA = OptimizerSpec(
+    "Adadelta",
+    torch.optim.Adadelta,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.5, rho=0.8, weight_decay=0.1),
+    fidelity_kwargs={},
+)

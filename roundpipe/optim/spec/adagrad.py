@@ -34,7 +34,7 @@ def inputs(o):
     return ["param", "grad", "sum"]
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param, state_sum = b.tensor("param"), b.tensor("sum")
     grad = gradient(o, b)
@@ -43,4 +43,14 @@ def program(o, b):
     b.assign(param, addcdiv(param, grad, std, value=s.neg_clr))
 
 
-ADAGRAD = OptimizerSpec("Adagrad", torch.optim.Adagrad, init_state, options, inputs, scalars, program)
+ADAGRAD = OptimizerSpec(
+    "Adagrad",
+    torch.optim.Adagrad,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.05, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
+    fidelity_kwargs=dict(lr=0.05),
+)

@@ -59,7 +59,7 @@ def inputs(o):
     return [*blocks.MOMENT_INPUTS] + (["max_exp_avg_sq"] if o.amsgrad else [])
 
 
-def program(o, b):
+def statements(o, b):
     s, param = b.s, b.tensor("param")
     grad = blocks.gradient(o, b)
     exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
@@ -70,5 +70,26 @@ def program(o, b):
     b.assign(param, addcdiv(param, exp_avg, denom, value=s.neg_step_size))
 
 
-ADAM = OptimizerSpec("Adam", torch.optim.Adam, init_state, options, inputs, scalars, program)
-ADAMW = OptimizerSpec("AdamW", torch.optim.AdamW, init_state, adamw_options, inputs, scalars, program)
+ADAM = OptimizerSpec(
+    "Adam",
+    torch.optim.Adam,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.01, weight_decay=0.1, amsgrad=True),
+    fidelity_kwargs=dict(lr=1e-2, weight_decay=1e-3),
+)
+ADAMW = OptimizerSpec(
+    "AdamW",
+    torch.optim.AdamW,
+    init_state,
+    adamw_options,
+    inputs,
+    scalars,
+    statements,
+    # AdamW decays by default (weight_decay=0.01)
+    rich_kwargs=dict(lr=0.01, amsgrad=True),
+    fidelity_kwargs=dict(lr=1e-2, amsgrad=True),
+)

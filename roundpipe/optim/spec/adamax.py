@@ -40,7 +40,7 @@ def scalars(group, state):
     }
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param = b.tensor("param")
     exp_avg, exp_inf = b.tensor("exp_avg"), b.tensor("exp_inf")
@@ -50,4 +50,14 @@ def program(o, b):
     b.assign(param, addcdiv(param, exp_avg, exp_inf, value=s.neg_clr))
 
 
-ADAMAX = OptimizerSpec("Adamax", torch.optim.Adamax, init_state, options, inputs, scalars, program)
+ADAMAX = OptimizerSpec(
+    "Adamax",
+    torch.optim.Adamax,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.01, weight_decay=0.1),
+    fidelity_kwargs=dict(lr=1e-2),
+)

@@ -50,7 +50,7 @@ def scalars(group, state):
     return out
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param, ax = b.tensor("param"), b.tensor("ax")
     grad = gradient(o, b, complex_decay=False)
@@ -69,7 +69,10 @@ ASGD = OptimizerSpec(
     options,
     inputs,
     scalars,
-    program,
+    statements,
     scalar_state=("step", "eta", "mu"),
     flags=("average",),
+    # a small t0 makes it start averaging (mu != 1) within a few steps
+    rich_kwargs=dict(lr=0.01, t0=2.0, lambd=1e-3, weight_decay=0.1),
+    fidelity_kwargs=dict(lr=1e-2, t0=100),
 )

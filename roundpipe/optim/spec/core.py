@@ -27,17 +27,33 @@ Each optimizer module in this package (``adam.py``, ``sgd.py`` ...) defines one
     (RAdam's rectification, ASGD's ``mu == 1``; declared in ``flags``). It sees nothing but the
     group and the 0-d state, so parameters whose 0-d state is equal get equal scalars: the step loop calls it
     once per distinct 0-d state, not once per parameter.
-``program(o, b)``
+``statements(o, b)``
     adds the elementwise statements for options ``o`` (attribute access; static options and
     this step's flags) to ``b``, a :class:`~roundpipe.optim.spec.ir.ProgramBuilder` over
-    ``inputs(o)``. Programs are built once per options and cached.
+    ``inputs(o)``. ``OptimizerSpec.program(options)`` runs it, builds the
+    :class:`~roundpipe.optim.spec.ir.Program` (``b.build()``) and caches it per options.
+
+Two sets of constructor keyword arguments (valid for ``torch_class``) let the tests step every
+optimizer without a table of their own, so that a new spec needs no edit in ``tests/``:
+
+``rich_kwargs``
+    hyperparameters that switch on the optimizer's state and optional branches (every state
+    tensor any of its programs binds, weight decay where it has one), for the unit tests that
+    train a few steps and compare with torch (``tests/_util.py``'s ``RICH_KWARGS``).
+``fidelity_kwargs``
+    hyperparameters for the long run of ``tests/test_fidelity.py`` (1,000 steps of
+    least-squares problems whose optimum is far from the start): a learning rate small enough
+    that the run is still on its way to the optimum at the end, without oscillating around it,
+    where a float32 run tracks the exact one and a slightly wrong update shows (see that
+    module's docstring). ``{}`` where torch's defaults do.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -76,11 +92,21 @@ class OptimizerSpec:
     options: Callable
     inputs: Callable
     scalars: Callable
-    build: Callable
+    statements: Callable
     scalar_state: tuple = ("step",)
     flags: tuple = ()  # per-step flags (bools from init_state or scalars) that select the program
+    # keyword-only and required: a spec without them cannot be built, rather than a test
+    # failing later with a KeyError; not compared, as they are test data, not the algorithm
+    rich_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
+    fidelity_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self):
+        # read-only, so that a test that edits the kwargs it was given cannot change what the
+        # next test reads
+        for name in ("rich_kwargs", "fidelity_kwargs"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
     def program(self, options: dict) -> Program:
         key = tuple(sorted(options.items()))
@@ -92,7 +118,7 @@ class OptimizerSpec:
                     o = Options(dict(options))
                     b = ProgramBuilder(self.inputs(o))
                     gradient_factors(b, o.get("grad_factors", 0))
-                    self.build(o, b)
+                    self.statements(o, b)
                     prog = b.build()
                     self._cache[key] = prog
         return prog

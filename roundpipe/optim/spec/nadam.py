@@ -46,7 +46,7 @@ def scalars(group, state):
     }
 
 
-def program(o, b):
+def statements(o, b):
     s, param = b.s, b.tensor("param")
     grad = blocks.gradient(o, b, complex_decay=False)
     exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
@@ -62,6 +62,8 @@ NADAM = OptimizerSpec(
     options,
     inputs,
     scalars,
-    program,
+    statements,
     scalar_state=("step", "mu_product"),
+    rich_kwargs=dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
+    fidelity_kwargs=dict(lr=1e-2),
 )

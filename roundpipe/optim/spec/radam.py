@@ -47,7 +47,7 @@ def scalars(group, state):
     return out
 
 
-def program(o, b):
+def statements(o, b):
     s, param = b.s, b.tensor("param")
     grad = blocks.gradient(o, b, complex_decay=False)
     exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
@@ -60,5 +60,15 @@ def program(o, b):
 
 
 RADAM = OptimizerSpec(
-    "RAdam", torch.optim.RAdam, init_state, options, inputs, scalars, program, flags=("rectify",)
+    "RAdam",
+    torch.optim.RAdam,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    flags=("rectify",),
+    # with the default betas, it rectifies from step 6 on
+    rich_kwargs=dict(lr=0.01, weight_decay=0.1),
+    fidelity_kwargs=dict(lr=1e-2),
 )

@@ -49,7 +49,7 @@ def scalars(group, state):
     }
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param, square_avg = b.tensor("param"), b.tensor("square_avg")
     grad = gradient(o, b)
@@ -68,4 +68,14 @@ def program(o, b):
         b.assign(param, addcdiv(param, grad, avg, value=s.neg_lr))
 
 
-RMSPROP = OptimizerSpec("RMSprop", torch.optim.RMSprop, init_state, options, inputs, scalars, program)
+RMSPROP = OptimizerSpec(
+    "RMSprop",
+    torch.optim.RMSprop,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1),
+    fidelity_kwargs=dict(lr=1e-3, centered=True, momentum=0.5),
+)

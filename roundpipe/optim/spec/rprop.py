@@ -42,7 +42,7 @@ def scalars(group, state):
     }
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param = b.tensor("param")
     prev, step_size = b.tensor("prev"), b.tensor("step_size")
@@ -55,4 +55,14 @@ def program(o, b):
     b.assign(prev, grad)
 
 
-RPROP = OptimizerSpec("Rprop", torch.optim.Rprop, init_state, options, inputs, scalars, program)
+RPROP = OptimizerSpec(
+    "Rprop",
+    torch.optim.Rprop,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    rich_kwargs=dict(lr=0.01, etas=(0.4, 1.3)),
+    fidelity_kwargs={},
+)

@@ -44,7 +44,7 @@ def inputs(o):
     return ["param", "grad"] + (["momentum_buffer"] if o.momentum else [])
 
 
-def program(o, b):
+def statements(o, b):
     s = b.s
     param = b.tensor("param")
     grad = gradient(o, b)
@@ -63,5 +63,15 @@ def program(o, b):
 
 
 SGD = OptimizerSpec(
-    "SGD", torch.optim.SGD, init_state, options, inputs, scalars, program, scalar_state=(), flags=("first",)
+    "SGD",
+    torch.optim.SGD,
+    init_state,
+    options,
+    inputs,
+    scalars,
+    statements,
+    scalar_state=(),
+    flags=("first",),
+    rich_kwargs=dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
+    fidelity_kwargs=dict(lr=1e-2, momentum=0.9, nesterov=True),
 )

@@ -248,9 +248,7 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
 
 def _sums(opt, grads, order):
     """The backend's one-pass sums of ``grads`` for a norm of ``order`` (None: it has none)."""
-    backend = backends.get(opt._roundpipe_backend)
-    gradient_sums = getattr(backend, "gradient_sums", None)
-    return None if gradient_sums is None else gradient_sums(grads, order)
+    return backends.get(opt._roundpipe_backend).gradient_sums(grads, order)
 
 
 def _total(opt, grads, paired, norm_type, factors):

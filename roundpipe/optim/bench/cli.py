@@ -278,6 +278,15 @@ def _options(overrides):
 
 
 def parse_args(argv=None):
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.workloads is None:
+        args.workloads = list(partners.WORKLOADS if args.partners else WORKLOADS)
+    _check_args(p, args)
+    return args
+
+
+def _parser():
     p = argparse.ArgumentParser(
         prog="python -m roundpipe.optim.bench",
         description="Time roundpipe.optim against torch.optim (for-loop, foreach, fused) on CPU; "
@@ -358,9 +367,11 @@ def parse_args(argv=None):
         default="default",
         help="--first-use: the demo's model to step (default: default; small: tiny, for tests)",
     )
-    args = p.parse_args(argv)
-    if args.workloads is None:
-        args.workloads = list(partners.WORKLOADS if args.partners else WORKLOADS)
+    return p
+
+
+def _check_args(p, args):
+    """What argparse cannot check alone: combinations and ranges (``p.error`` exits)."""
     if args.partners:
         if args.first_use:
             p.error("--partners and --first-use are two different runs: give one")
@@ -393,7 +404,6 @@ def parse_args(argv=None):
             "--plot needs matplotlib, which is not installed: pip install matplotlib "
             "(or pip install -e '.[plot]'), or drop --plot"
         )
-    return args
 
 
 def main_first_use(args) -> int:

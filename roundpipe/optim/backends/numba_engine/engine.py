@@ -54,8 +54,8 @@ class NumbaEngine:
             self.sqrt_kind,
         )
 
-    def kernel(self, program, variant, pairing=("float32", None)) -> NumbaKernel:
-        return compile_kernel(program, variant, self.fused, self.sqrt_kind, pairing)
+    def kernel(self, program, variant, dtype_names=("float32", None)) -> NumbaKernel:
+        return compile_kernel(program, variant, self.fused, self.sqrt_kind, dtype_names)
 
     def prepare(self, program, scalars, columns, cache):
         """Everything a launch over ``columns`` needs (kernels compiled, the address table, the
@@ -66,7 +66,7 @@ class NumbaEngine:
         by_variant: dict = {}
         for values, start, stop in segments(scalars, len(params)):
             by_variant.setdefault(lerp_variant(values, weights), []).append((values, start, stop))
-        pairing = _pairing_names(columns)
+        dtype_names = _dtype_names(columns)
         table = self._table(program, columns, cache)
         if table.total == 0:
             table.release_volatile()
@@ -77,7 +77,7 @@ class NumbaEngine:
         for variant, parts in by_variant.items():
             hit = compiled.get((variant, nthreads > 1))
             try:
-                kernel = hit[0] if hit else self.kernel(program, variant, pairing)
+                kernel = hit[0] if hit else self.kernel(program, variant, dtype_names)
                 rows, scalar_rows = self._rows(kernel, parts, len(params), weights, cache)
                 if hit is None:
                     with keep_torch_threads():  # a first parallel call starts numba's pool
@@ -160,7 +160,7 @@ def _log_threading_once():
         logger.debug("numba engine: parallel kernels on %s", threads.threading_report()["summary"])
 
 
-def _pairing_names(columns) -> tuple:
+def _dtype_names(columns) -> tuple:
     """``(grad dtype, partner dtype or None)`` by name, as ``codegen.generate`` takes them."""
     grad_dtype, partner_dtype = pairing_of(columns)
     return _DTYPE_NAMES[grad_dtype], None if partner_dtype is None else _DTYPE_NAMES[partner_dtype]

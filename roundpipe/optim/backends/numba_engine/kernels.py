@@ -1,5 +1,5 @@
 """Compiling: a program's kernel module generated (``codegen``), written to the disk cache and
-jitted by numba, once per program, lerp variant, fused set, sqrt kind and pairing in a process
+jitted by numba, once per program, lerp variant, fused set, sqrt kind and dtype names in a process
 (``compile_kernel``); and the one sqrt kind this process's kernels use (``sqrt_kind``).
 
 Kernels are shared between threads: built under a lock, immutable once built.
@@ -109,10 +109,10 @@ _kernels = CompileCache()
 
 
 def compile_kernel(
-    program, variant: tuple, fused=None, sqrt: str | None = None, pairing=("float32", None)
+    program, variant: tuple, fused=None, sqrt: str | None = None, dtype_names=("float32", None)
 ) -> NumbaKernel:
     """The kernels for ``program`` and a lerp variant; ``fused`` defaults to torch_fusion()'s,
-    ``sqrt`` (a ``SQRT_KINDS`` entry) to sqrt_kind()'s; ``pairing`` as ``generate``'s. numba
+    ``sqrt`` (a ``SQRT_KINDS`` entry) to sqrt_kind()'s; ``dtype_names`` as ``generate``'s. numba
     compiles (or loads from its cache) each of the two on its first call."""
     numba = import_numba()
     if fused is None:
@@ -120,12 +120,12 @@ def compile_kernel(
     fused = frozenset(fused)
     if sqrt is None:
         sqrt = sqrt_kind()
-    key = (program, tuple(variant), fused, sqrt, tuple(pairing))
-    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt, pairing))
+    key = (program, tuple(variant), fused, sqrt, tuple(dtype_names))
+    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt, dtype_names))
 
 
-def _compile(numba, program, variant, fused, sqrt="routine", pairing=("float32", None)) -> NumbaKernel:
-    source = generate(program, variant, fused, sqrt, pairing)
+def _compile(numba, program, variant, fused, sqrt="routine", dtype_names=("float32", None)) -> NumbaKernel:
+    source = generate(program, variant, fused, sqrt, dtype_names)
     key = f"{source.source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
     name = "roundpipe_numba_" + hashlib.sha256(key.encode()).hexdigest()[:24]
     module, on_disk = load_module(name, source.source)

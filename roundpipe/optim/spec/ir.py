@@ -270,7 +270,7 @@ class Program:
 
     def __hash__(self):
         # computed once: programs key every compile cache, and a step looks them up (hashing
-        # the statement trees each time cost ~40 us a step)
+        # the statement trees each time was a sizeable part of a small step: docs/benchmarks.md)
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.statements, self.tensors, self.scalars, self.targets))

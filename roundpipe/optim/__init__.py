@@ -15,10 +15,13 @@ Where things live:
 
 * the math of every optimizer: ``roundpipe/optim/spec/<name>.py`` (one spec each);
 * the statement language: ``roundpipe/optim/spec/ir.py``;
-* the backends and their interface: ``roundpipe/optim/backends/__init__.py``;
-* the step plan (what a step needs, checked cheaply every step): ``roundpipe/optim/plan/``
-  (its design: ``docs/step-plan.md``);
-* the API: ``roundpipe/optim/optimizer.py``; masters and partners: ``roundpipe/optim/masters.py``.
+* the backend interface: ``roundpipe/optim/backend_api.py``; the backends and their registry:
+  ``roundpipe/optim/backends/``;
+* the step plan (what a step needs, checked cheaply every step) and the step on it
+  (``plan/launches.py``): ``roundpipe/optim/plan/`` (its design: ``docs/step-plan.md``);
+* the API: ``roundpipe/optim/optimizer.py``; the public classes: ``roundpipe/optim/optimizers.py``;
+  loss scaling and clipping: ``roundpipe/optim/amp.py``; masters and partners:
+  ``roundpipe/optim/masters.py``.
 """
 
 from .amp import GradScaler, clip_grad_norm_

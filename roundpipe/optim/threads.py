@@ -6,11 +6,11 @@ sets numba's pool to it, the numexpr engine numexpr's, and the torch engine runs
 ``run_parallel``'s pool of Python threads while torch's own intra-op pool is held at one thread
 (``torch_threads``: ``torch.set_num_threads``, then restored), so no two pools ever run more
 threads than asked for. threadpoolctl reads and limits every OpenMP and BLAS pool in the
-process; the bench uses it to report them. A step does not: measured here, a
-``threadpool_limits(1, user_api="openmp")`` block costs 1.3 ms (it scans the loaded libraries
-each time), a kept ``ThreadpoolController().limit`` 18 us, and the ``torch.set_num_threads``
-pair 0.3 us, which also sets the one OpenMP pool a step would run (torch's libgomp). In a child
-process created by ``fork`` the count is 1 (GNU OpenMP hangs in a forked child's parallel regions).
+process; the bench uses it to report them. A step does not: a ``threadpool_limits`` block
+rescans the loaded libraries, and even a kept controller costs many times the
+``torch.set_num_threads`` pair (docs/benchmarks.md), which also sets the one OpenMP pool a step
+would run (torch's libgomp). In a child process created by ``fork`` the count is 1 (GNU OpenMP
+hangs in a forked child's parallel regions).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ ENV_VAR = "ROUNDPIPE_OPTIM_NUM_THREADS"
 # process-wide (the user's setting): one int, replaced whole, read once per step
 _num_threads: int | None = None
 
-# os.environ's own dict and key encoding: ``getenv`` reads a variable a step reads every time in
-# 25 ns, where ``os.environ.get`` takes 0.5 us (it encodes the key and decodes the value anew)
+# os.environ's own dict and key encoding: a step reads its settings every time, and
+# ``os.environ.get`` encodes the key and decodes the value anew on each read (docs/benchmarks.md)
 _environ_data = getattr(os.environ, "_data", None)
 _env_keys: dict = {}
 
@@ -146,16 +146,15 @@ def run_parallel(work, fn, n: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Which OpenMP runtime runs the compiled engine's parallel regions (issue 34)
+# Which OpenMP runtime runs the compiled engine's parallel regions (docs/numba-engine.md, "One pool")
 #
 # numba's OpenMP layer (``numba/np/ufunc/omppool``) names ``libgomp.so.1.0.0`` as its dependency;
 # torch's wheel has already loaded its own libgomp (soname ``libgomp.so.1``), which the loader
 # does not take for that name, so the system's libgomp gets mapped too. It does not run: torch
 # loads its libgomp into the global scope (``libtorch_global_deps``, RTLD_GLOBAL), which the
 # loader searches before a library's own dependencies, so omppool's ``GOMP_parallel``,
-# ``omp_get_thread_num`` and the rest bind to torch's (LD_DEBUG=bindings; measured with torch
-# 2.13 and numba 0.68: only ``omp_get_supported_active_levels``, which torch's older libgomp
-# lacks, binds to the second one) and one pool of threads serves torch and the kernels. The
+# ``omp_get_thread_num`` and the rest bind to torch's (LD_DEBUG=bindings: what bound where, in
+# docs/numba-engine.md) and one pool of threads serves torch and the kernels. The
 # second runtime is mapped, initialized (its constructor reads the environment) and, to
 # threadpoolctl, a second "openmp" pool of its own that never starts a thread. These helpers
 # say which is which, for the bench header and the engine's debug log.

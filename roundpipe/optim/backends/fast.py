@@ -20,8 +20,8 @@ replaced. ``ROUNDPIPE_OPTIM_ENGINE`` (or the backend names ``fast:numba``, ``fas
 ``fast:numexpr``) selects the engine.
 
 When to pick which: ``fast`` always, unless numba is not available for the platform (then
-``fast:torch``: the same bits, 2-3x slower on many small tensors and below torch's fused kernels
-on large ones), or to compare with numexpr's fused expressions (``fast:numexpr``).
+``fast:torch``: the same bits, slower, most of all on many small tensors: docs/benchmarks.md),
+or to compare with numexpr's fused expressions (``fast:numexpr``).
 
 Shared between threads: the compiled programs (``_torch_programs``, ``_numexpr_programs``,
 the numba engine's kernels) are immutable once built and built under a lock; a torch program's

@@ -152,13 +152,9 @@ class CompiledProgram:
 
     def run_units(self, units, env: dict, nthreads: int):
         """Run in place on every unit (name -> same-shaped tensors), one pass per statement over
-        the whole unit, on numexpr's pool of ``nthreads``.
-
-        Measured against evaluating the program chunk by chunk (every statement on a chunk
-        before the next chunk), 4 x 16M Adam on the 2-core EPYC, medians of 5: whole tensors
-        562 ms (1 thread) and 290 ms (2 threads); chunks of 64 Ki / 256 Ki / 1 Mi elements
-        604-662 ms and 362-634 ms. numexpr already works block by block (4 Ki elements) inside
-        each expression, so chunking only adds calls and pool wake-ups.
+        the whole unit, on numexpr's pool of ``nthreads``. numexpr already works block by block
+        (4 Ki elements) inside each expression, so running the program chunk by chunk would only
+        add calls and pool wake-ups (it measured slower: docs/benchmarks.md).
         """
         with _LOCK:  # numexpr's thread count and its compiled expressions are process-wide
             if numexpr.get_num_threads() != nthreads:

@@ -22,12 +22,9 @@ from .torch_ops import BINARY, COMPARISONS, FUNCTIONS
 
 # Elements per chunk: as many as keep a chunk's working set (each tensor the program touches,
 # and each scratch slot) near WORKING_SET bytes, a power of two between MIN_CHUNK and MAX_CHUNK.
-# Every chunk costs ~10-15 us of Python per op and slice, paid under the GIL, so short programs
-# want larger chunks; long ones want their many operands to stay in cache. Measured on the
-# 2-core EPYC (32 MiB L3), 2 threads, medians of 9 side by side with torch's for-loop: SGD
-# (momentum; 4 arrays, 512 Ki) on the bench's transformer 19.9 ms in 512 Ki chunks, 22.5-24.3
-# in 256 Ki, 22.6 in 1 Mi, 53.2 in 64 Ki; ASGD on 4 x 16M 28.5 in 512 Ki, 31.8 in 256 Ki. Adam
-# (256 Ki): 4 x 16M 73.4 ms in 256 Ki, 75.1 in 512 Ki, 161 in 1 Mi, 536 unchunked.
+# Every chunk costs Python per op and slice, paid under the GIL, so short programs want larger
+# chunks; long ones want their many operands to stay in cache (the chunk sizes measured:
+# docs/benchmarks.md, "Measurements behind the code's constants").
 WORKING_SET = 8 << 20
 MIN_CHUNK, MAX_CHUNK = 1 << 18, 1 << 19
 

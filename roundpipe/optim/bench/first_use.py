@@ -12,8 +12,8 @@
 * torch fused's first step beyond its normal step, in the warm interpreter on copies of the
   parameters: the part of that cost any optimizer's first step pays (allocating the state).
 
-Where scipy is installed, numba imports ``scipy.linalg`` at its first use (0.1-0.2 s here); the
-report says when the measured process did.
+Where scipy is installed, numba imports ``scipy.linalg`` at its first use, which the first step
+pays (docs/benchmarks.md, "First use"); the report says when the measured process did.
 
 Goals: ``GOALS``.
 """

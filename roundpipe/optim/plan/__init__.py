@@ -16,7 +16,7 @@ comprehensions and no per-tensor Python calls beyond attribute reads:
 * every gradient is well formed (the contract: dense, contiguous, CPU, dtype and shape of its
   parameter).
 
-Anything else makes ``check`` answer False, and the step rebuilds the plan (the slow path, which
+Anything else makes ``check`` answer None, and the step rebuilds the plan (the slow path, which
 validates everything, creates missing state and says exactly what is wrong). A failed check
 never leaves anything modified.
 

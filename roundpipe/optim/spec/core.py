@@ -183,8 +183,8 @@ class Scratch:
     """A float 0-d state entry (``step``, ASGD's ``eta`` and ``mu``, NAdam's ``mu_product``)
     while a step computes its scalars: its value as a Python float, rounded to the entry's dtype
     after an update exactly as torch's in-place op on the 0-d tensor rounds. The step plan gives
-    these to ``scalars`` in place of clones of the tensors: a few tensor ops cost about 10 us,
-    which a step of one small parameter would pay every time. What a spec may do with one:
+    these to ``scalars`` in place of clones of the tensors, whose few tensor ops a step of one
+    small parameter would pay every time (docs/benchmarks.md). What a spec may do with one:
     ``+=`` a number (float32: the double sum, rounded once, is the float32 sum of the float32
     operands, torch's), ``*=`` a Python float (torch casts the scalar to float32 first, then
     multiplies in float32: the double product of two float32 values is exact, rounded once),

@@ -15,9 +15,12 @@ order of every float32 operation is the one torch uses. Per-step scalars (bias c
 step sizes) are *not* computed here: they are named :class:`Scalar` leaves whose values the
 spec's ``scalars`` function computes in Python double precision, exactly as torch does.
 
-Backends are interpreters or compilers of this IR: ``backends/reference.py`` runs it with torch
-ops, ``backends/fast.py`` compiles it to numexpr. A program is validated when it is built, so
-a typo in a spec fails the test suite, not a user's run.
+Backends are interpreters or compilers of this IR (``backend_api.Backend``):
+``backends/reference.py`` runs it with torch ops, one tensor at a time; ``backends/fast.py``
+hands it to one of three engines: ``numba_engine/`` (the default) compiles it into one parallel
+kernel over every tensor of a step, ``torch_engine.py`` into a list of torch ``out=`` ops over
+cache-sized chunks, ``numexpr_engine.py`` into numexpr expressions. A program is validated when
+it is built, so a typo in a spec fails the test suite, not a user's run.
 """
 
 from __future__ import annotations
@@ -267,7 +270,7 @@ class Program:
 
     def __hash__(self):
         # computed once: programs key every compile cache, and a step looks them up (hashing
-        # the statement trees each time cost ~40 us a step)
+        # the statement trees each time was a sizeable part of a small step: docs/benchmarks.md)
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.statements, self.tensors, self.scalars, self.targets))

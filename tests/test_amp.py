@@ -293,3 +293,60 @@ def test_clip_with_no_gradients_is_zero():
     opt = ro.SGD([torch.zeros(3, requires_grad=True)], lr=0.1)
     assert opt.clip_grad_norm_(1.0).item() == 0.0
     copy.deepcopy(opt)  # nothing pending that cannot be copied
+
+
+def _half_backward(model, seed=0, scaler=None):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)).half()
+    loss = model[1](model[0](x).float()).pow(2).sum()
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def _nothing_recorded(opt, *tensors):
+    assert not amp.pending(opt)
+    for t in tensors:
+        assert not any(k.startswith("_roundpipe_grad") for k in t.__dict__), "state put on a tensor"
+
+
+@pytest.mark.parametrize(
+    "what", ["model.parameters()", "masters", "one master", "one partner", "torch.optim optimizer"]
+)
+def test_clip_refuses_parameters_naming_the_call(what):
+    """torch's habit, clip_grad_norm_(model.parameters(), max_norm), raises TypeError naming
+    opt.clip_grad_norm_ (the clip belongs to the optimizer whose step applies it), recording
+    nothing; a torch.optim optimizer, whose step would never apply the clip, is refused too."""
+    model, masters = _mixed()
+    opt = ro.AdamW(masters)
+    _half_backward(model)
+    arg = {
+        "model.parameters()": lambda: model.parameters(),
+        "masters": lambda: masters,
+        "one master": lambda: masters[0],
+        "one partner": lambda: model[0].weight,
+        "torch.optim optimizer": lambda: torch.optim.SGD(masters, lr=0.1),
+    }[what]()
+    call = (
+        r"torch\.nn\.utils\.clip_grad_norm_\(params"
+        if what.startswith("torch")
+        else r"opt\.clip_grad_norm_\("
+    )
+    with pytest.raises(TypeError, match=call):
+        ro.clip_grad_norm_(arg, 1.0)
+    _nothing_recorded(opt, *masters, *model.parameters())
+
+
+@pytest.mark.parametrize("max_norm", ["model.parameters()", "a one-element parameter", "a list"])
+def test_clip_method_refuses_parameters_as_max_norm(max_norm):
+    """opt.clip_grad_norm_(model.parameters(), 1.0), torch's arguments given to the method: a
+    TypeError saying to pass max_norm alone, not a float() error or a parameter read as max_norm."""
+    model, masters = _mixed()
+    opt = ro.AdamW(masters)
+    _half_backward(model)
+    arg = {
+        "model.parameters()": lambda: model.parameters(),
+        "a one-element parameter": lambda: torch.nn.Parameter(torch.ones(1)),
+        "a list": lambda: [1.0],
+    }[max_norm]()
+    with pytest.raises(TypeError, match=r"max_norm must be a number.*opt\.clip_grad_norm_\(max_norm\)"):
+        opt.clip_grad_norm_(arg, 1.0)
+    _nothing_recorded(opt)
+    assert opt.clip_grad_norm_(torch.tensor(1e9)).isfinite()  # a 0-d tensor is a number, as in torch

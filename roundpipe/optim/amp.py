@@ -32,6 +32,7 @@ applies the coefficient from that norm bit for bit. The composing engines (``ref
 from __future__ import annotations
 
 import math
+import numbers
 from itertools import compress, repeat
 from operator import attrgetter, is_
 
@@ -224,7 +225,14 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     the total norm (a tensor); the clip coefficient is applied by the next step, in its pass,
     instead of being written into the gradients now. On the numba engine the norm is one
     read-only pass's (``_total``: torch's to rounding); elsewhere torch's foreach norms, bit
-    for bit. ``foreach`` is accepted for torch's signature."""
+    for bit. ``foreach`` is accepted for torch's signature.
+
+    Takes the optimizer, not parameters as torch's does: the coefficient is not written into
+    ``.grad`` but applied by that optimizer's next step to every gradient it reads, and
+    parameters do not say which optimizer that is (a master may be in two; a partner knows
+    none; a part of an optimizer's parameters cannot be clipped alone). Parameters raise
+    ``TypeError`` naming the call to make."""
+    _check_clip_arguments(opt, max_norm)
     norm_type = float(norm_type)
     max_norm = float(max_norm)
     factors = pending(opt)
@@ -244,6 +252,33 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     if float(clip_coef) != 1.0:  # a factor of 1 changes no bits: no factor
         factors.add(float(clip_coef))
     return total
+
+
+def _check_clip_arguments(opt, max_norm) -> None:
+    """``TypeError`` naming the call to make, for what torch's habits put in ``clip_grad_norm_``'s
+    place: parameters (model.parameters(), masters, one tensor) instead of the optimizer, a
+    torch.optim optimizer (its step would never apply the coefficient), parameters as max_norm."""
+    if not _is_roundpipe(opt):
+        if isinstance(opt, torch.optim.Optimizer):
+            got = f"a {type(opt).__module__}.{type(opt).__name__}, whose step would not apply the clip"
+            instead = "torch.nn.utils.clip_grad_norm_(params, max_norm) for a torch.optim optimizer"
+        else:
+            what = "a tensor" if isinstance(opt, torch.Tensor) else type(opt).__name__
+            got = f"{what} (parameters, as torch.nn.utils.clip_grad_norm_ takes)"
+            instead = "opt.clip_grad_norm_(max_norm), or roundpipe.optim.clip_grad_norm_(opt, max_norm)"
+        raise TypeError(
+            f"roundpipe.optim.clip_grad_norm_ takes the roundpipe optimizer whose next step the clip "
+            f"applies to, over every gradient that step reads (the masters' partners' too); got {got}. "
+            f"Call {instead}."
+        )
+    if isinstance(max_norm, torch.nn.Parameter) or not (
+        isinstance(max_norm, numbers.Real) or (isinstance(max_norm, torch.Tensor) and max_norm.dim() == 0)
+    ):
+        raise TypeError(
+            f"roundpipe.optim.{type(opt).__name__}.clip_grad_norm_: max_norm must be a number, got "
+            f"{type(max_norm).__name__}. The optimizer clips every gradient its step reads: call "
+            "opt.clip_grad_norm_(max_norm), without parameters."
+        )
 
 
 def _sums(opt, grads, order):

@@ -11,6 +11,7 @@ import torch
 import roundpipe.optim as ro
 from conformance.harness import assert_norm_close, exact_norm
 from roundpipe.optim import amp, backends
+from tests._util import assert_unchanged, snapshot
 
 
 def _exact(backend) -> bool:
@@ -350,3 +351,60 @@ def test_clip_method_refuses_parameters_as_max_norm(max_norm):
         opt.clip_grad_norm_(arg, 1.0)
     _nothing_recorded(opt)
     assert opt.clip_grad_norm_(torch.tensor(1e9)).isfinite()  # a 0-d tensor is a number, as in torch
+
+
+def _mixed_run(misplaced_clip):
+    """backward, step, (a clip after the step), opt.zero_grad(), backward, step."""
+    model, masters = _mixed()
+    opt = ro.AdamW(masters, lr=0.1)
+    _half_backward(model, 0)
+    opt.step()
+    if misplaced_clip:
+        opt.clip_grad_norm_(1e-3)
+    opt.zero_grad()
+    _half_backward(model, 1)
+    opt.step()
+    return [p.detach().clone() for p in (*masters, *model.parameters())]
+
+
+def test_clip_between_step_and_zero_grad_is_dropped_as_in_torch():
+    """torch's clip after the step scales gradients the step has read, which zero_grad then
+    drops: no step is clipped. opt.zero_grad() drops the pending coefficient the same way."""
+    for a, b in zip(_mixed_run(True), _mixed_run(False), strict=True):
+        assert torch.equal(a, b)
+
+
+STALE = {
+    # how the gradients a pending clip measured stop being the ones the next step reads
+    "model.zero_grad() then backward": lambda model, opt: (model.zero_grad(), _half_backward(model, 1)),
+    "another backward (accumulated)": lambda model, opt: _half_backward(model, 1),
+    "a gradient written in place": lambda model, opt: model[0].weight.grad.mul_(2),
+    "a gradient replaced": lambda model, opt: setattr(model[1].bias, "grad", model[1].bias.grad * 2),
+}
+
+
+@pytest.mark.parametrize("case", list(STALE))
+def test_clip_of_other_gradients_raises_before_anything_moves(case):
+    """A coefficient pending for gradients that have changed since (a clip after step() with
+    model.zero_grad() instead of opt.zero_grad(), another backward, an edit after the clip)
+    would scale other gradients than torch's clip did: the step, and another clip, raise
+    naming the order to use, and nothing moves; opt.zero_grad() drops it."""
+    model, masters = _mixed()
+    opt = ro.AdamW(masters, lr=0.1)
+    _half_backward(model, 0)
+    opt.step()
+    opt.clip_grad_norm_(1e-3)
+    STALE[case](model, opt)
+    before, partner = snapshot(opt), model[0].weight.detach().clone()
+    for call in (opt.step, lambda: opt.clip_grad_norm_(1.0)):
+        with pytest.raises(
+            RuntimeError, match=r"clip_grad_norm_ after the last backward, right before the step"
+        ):
+            call()
+    assert_unchanged(opt, before)
+    assert torch.equal(model[0].weight.detach(), partner)
+    opt.zero_grad()
+    _half_backward(model, 2)
+    opt.clip_grad_norm_(1e-3)
+    opt.step()
+    assert not torch.equal(model[0].weight.detach(), partner)

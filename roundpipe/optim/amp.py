@@ -53,11 +53,13 @@ _VERSION = attrgetter("_version")
 class GradFactors:
     """The per-step factors waiting for the next step, in the order they were recorded."""
 
-    __slots__ = ("own", "partner")
+    __slots__ = ("measured", "own", "partner")
 
     def __init__(self):
         self.own: list = []  # float32 values, as Python floats
         self.partner: list = []
+        # a clip's coefficient holds for the gradients it measured: (those tensors, their versions)
+        self.measured: tuple | None = None
 
     def add(self, value: float, own: bool = True, partner: bool = True) -> None:
         if own:
@@ -149,10 +151,13 @@ def begin_step(opt):
     modifies nothing, as torch's GradScaler skips the step), else the pending factors (with
     this step's unscale added when the scaler left it to the step). Raises, before anything
     moves, under torch's own GradScaler when a partner's gradient would be stepped unseen."""
+    recorded = opt.__dict__.get(_FACTORS)
+    if recorded is not None and recorded.measured is not None:
+        _check_measured(opt, recorded, "step()")
     found_inf = getattr(opt, "found_inf", None)
     scaling = found_inf is not None or "grad_scale" in opt.__dict__
     if not scaling:  # (no allocation: every step of every optimizer passes here)
-        return opt.__dict__.get(_FACTORS) or _NONE
+        return recorded or _NONE
     if not opt.__dict__.get(_CHECKED) and _partner_grads(opt):
         raise RuntimeError(
             f"roundpipe.optim.{type(opt).__name__}: torch.amp.GradScaler reads only param.grad, and "
@@ -235,8 +240,11 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     _check_clip_arguments(opt, max_norm)
     norm_type = float(norm_type)
     max_norm = float(max_norm)
-    factors = pending(opt)
     grads, paired = _gradients(opt)
+    factors = opt.__dict__.get(_FACTORS)
+    if factors is not None and factors.measured is not None:
+        _check_measured(opt, factors, "clip_grad_norm_()", grads)
+    factors = pending(opt)
     if not grads:
         return torch.tensor(0.0)
     total = _total(opt, grads, paired, norm_type, factors)
@@ -251,6 +259,7 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if float(clip_coef) != 1.0:  # a factor of 1 changes no bits: no factor
         factors.add(float(clip_coef))
+        factors.measured = (grads, list(map(_VERSION, grads)))
     return total
 
 
@@ -279,6 +288,23 @@ def _check_clip_arguments(opt, max_norm) -> None:
             f"{type(max_norm).__name__}. The optimizer clips every gradient its step reads: call "
             "opt.clip_grad_norm_(max_norm), without parameters."
         )
+
+
+def _check_measured(opt, factors, call, grads=None) -> None:
+    """Raises, recording nothing, where the gradients a pending clip coefficient was computed
+    from are not the ones the next step reads: torch's clip would have scaled those, not these."""
+    seen, versions = factors.measured
+    if grads is None:
+        grads = _gradients(opt)[0]
+    if _same(seen, grads) and list(map(_VERSION, grads)) == versions:
+        return
+    raise RuntimeError(
+        f"roundpipe.optim.{type(opt).__name__}.{call}: the gradients changed since clip_grad_norm_ "
+        "measured them (another backward, a gradient written or replaced, model.zero_grad() after a clip "
+        "that came after step()), so the coefficient pending for the next step was computed from other "
+        "gradients. Call opt.clip_grad_norm_ after the last backward, right before the step; "
+        "opt.zero_grad() drops a pending clip."
+    )
 
 
 def _sums(opt, grads, order):

@@ -408,3 +408,66 @@ def test_clip_of_other_gradients_raises_before_anything_moves(case):
     opt.clip_grad_norm_(1e-3)
     opt.step()
     assert not torch.equal(model[0].weight.detach(), partner)
+
+
+def _two_optimizer_run(ours, steps=4):
+    """A float16 Linear (fp32 masters; roundpipe) or its fp32 copies (torch's composition) and an
+    fp32 LayerNorm, each in its own optimizer, one GradScaler: unscale_ one, step both, update.
+    Step 1 puts an inf into the Linear's gradient only: that optimizer's step is skipped."""
+    model, masters = _mixed()
+    if ours:
+        opts = [ro.SGD(masters[:2], lr=0.1, momentum=0.9), ro.Adam(masters[2:], lr=0.01)]
+        scaler = ro.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    else:
+        masters[:2] = [m.detach().clone() for m in masters[:2]]
+        opts = [
+            torch.optim.SGD(masters[:2], lr=0.1, momentum=0.9, foreach=False),
+            torch.optim.Adam(masters[2:], lr=0.01, foreach=False),
+        ]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    halves = list(model[0].parameters())
+    scales = []
+    for step in range(steps):
+        _half_backward(model, step, scaler)
+        if step == 1:
+            halves[0].grad.view(-1)[3] = float("inf")
+        if not ours:
+            for m, q in zip(masters[:2], halves, strict=True):
+                m.grad = q.grad.float()
+        scaler.unscale_(opts[0])
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        if not ours:
+            with torch.no_grad():
+                for m, q in zip(masters[:2], halves, strict=True):
+                    q.copy_(m)
+        for opt in opts:
+            opt.zero_grad()
+        model.zero_grad()
+        scales.append(scaler.get_scale())
+    return [p.detach().clone() for p in (*masters, *model.parameters())], scales
+
+
+def test_one_scaler_with_two_optimizers_as_torch():
+    """torch's GradScaler keeps per-optimizer state: one unscaled explicitly, one by its step,
+    a step skipped for the optimizer whose gradients overflowed only, one update. With masters
+    in one of them, the same steps and scales as the composition with torch.optim."""
+    (ours, our_scales), (theirs, their_scales) = _two_optimizer_run(True), _two_optimizer_run(False)
+    assert our_scales == their_scales and their_scales[1] < their_scales[0]
+    for a, b in zip(ours, theirs, strict=True):
+        if _exact(backends.resolve(None)):
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b)
+
+
+def test_unscale_after_step_raises_torchs_error():
+    model, masters = _mixed()
+    opt = ro.SGD(masters, lr=0.1)
+    scaler = ro.GradScaler("cpu", init_scale=4.0)
+    _backward(model, scaler)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
+        scaler.unscale_(opt)
+    _nothing_recorded(opt)

@@ -471,3 +471,61 @@ def test_unscale_after_step_raises_torchs_error():
     with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
         scaler.unscale_(opt)
     _nothing_recorded(opt)
+
+
+REFUSED = {
+    # the scaler, and what makes the optimizer's step refuse (in begin_step, or in its plan)
+    "torch.amp.GradScaler": (torch.amp.GradScaler, lambda model, opt, scaler: None),
+    "roundpipe's, a stale clip": (
+        ro.GradScaler,
+        lambda model, opt, scaler: (opt.clip_grad_norm_(1e-3), _half_backward(model, 1, scaler)),
+    ),
+    "roundpipe's, a bad gradient": (
+        ro.GradScaler,
+        lambda model, opt, scaler: setattr(model[0].bias.grad, "data", torch.zeros(9, dtype=torch.float16)),
+    ),
+}
+
+
+def _scaled_then(model, opt, first, recover):
+    """An iteration whose scaler.step raises, opt.zero_grad(), then one ``recover`` iteration."""
+    scaler_cls, spoil = REFUSED[first]
+    scaler = scaler_cls("cpu", init_scale=2.0**10)
+    _half_backward(model, 0, scaler)
+    spoil(model, opt, scaler)
+    with pytest.raises((RuntimeError, ValueError)):
+        scaler.step(opt)
+    assert "grad_scale" not in opt.__dict__ and "found_inf" not in opt.__dict__
+    opt.zero_grad()
+    recover(model, opt)
+
+
+def _plain_iteration(model, opt):
+    _half_backward(model, 2)
+    opt.step()
+
+
+def _scaled_iteration(model, opt):
+    scaler = ro.GradScaler("cpu", init_scale=2.0**6)
+    _half_backward(model, 2, scaler)
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("first", list(REFUSED))
+@pytest.mark.parametrize("then", ["a plain step", "roundpipe.optim.GradScaler"])
+def test_a_refused_step_under_a_scaler_leaves_no_scale_behind(first, then):
+    """The scaler sets grad_scale and found_inf on the optimizer for its step and deletes them
+    after; a step that refuses (torch's GradScaler with masters, a stale clip) must not leave
+    them, or the next step (plain, or the next scaler's, which multiplies them in) unscales by
+    a stale scale. After the error and opt.zero_grad(), the next iteration is a fresh one's."""
+    recover = _plain_iteration if then == "a plain step" else _scaled_iteration
+    model, masters = _mixed()
+    opt = ro.SGD(masters, lr=0.1)
+    _scaled_then(model, opt, first, recover)
+    fresh_model, fresh_masters = _mixed()
+    recover(fresh_model, ro.SGD(fresh_masters, lr=0.1))
+    for a, b in zip(
+        (*masters, *model.parameters()), (*fresh_masters, *fresh_model.parameters()), strict=True
+    ):
+        assert torch.equal(a, b)

@@ -153,12 +153,17 @@ def begin_step(opt):
     moves, under torch's own GradScaler when a partner's gradient would be stepped unseen."""
     recorded = opt.__dict__.get(_FACTORS)
     if recorded is not None and recorded.measured is not None:
-        _check_measured(opt, recorded, "step()")
+        try:
+            _check_measured(opt, recorded, "step()")
+        except RuntimeError:
+            _drop_scaler_attributes(opt)
+            raise
     found_inf = getattr(opt, "found_inf", None)
     scaling = found_inf is not None or "grad_scale" in opt.__dict__
     if not scaling:  # (no allocation: every step of every optimizer passes here)
         return recorded or _NONE
     if not opt.__dict__.get(_CHECKED) and _partner_grads(opt):
+        _drop_scaler_attributes(opt)
         raise RuntimeError(
             f"roundpipe.optim.{type(opt).__name__}: torch.amp.GradScaler reads only param.grad, and "
             "this optimizer steps fp32 masters whose gradients live on their low-precision partners "
@@ -173,6 +178,14 @@ def begin_step(opt):
         factors = factors.copy()
         factors.add(_inverse(grad_scale))
     return factors
+
+
+def _drop_scaler_attributes(opt) -> None:
+    """Undo what ``GradScaler.step`` set on ``opt`` for a step that raises: the scaler deletes
+    them only after a step returns, and left behind, the next step (a plain one, or the next
+    ``scaler.step``, which multiplies them in) would unscale by a stale scale."""
+    opt.__dict__.pop("grad_scale", None)
+    opt.__dict__.pop("found_inf", None)
 
 
 def _inverse(scale) -> float:
@@ -209,6 +222,16 @@ class GradScaler(torch.amp.GradScaler):
                 for same in by_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
         return {**per_device, found.device: found}
+
+    def step(self, optimizer, *args, **kwargs):
+        had = {k: optimizer.__dict__[k] for k in ("grad_scale", "found_inf") if k in optimizer.__dict__}
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        except BaseException:
+            if _is_roundpipe(optimizer):  # (torch deletes them only after a step that returned)
+                _drop_scaler_attributes(optimizer)
+                optimizer.__dict__.update(had)
+            raise
 
     def unscale_(self, optimizer):
         super().unscale_(optimizer)

@@ -11,6 +11,7 @@ import torch
 import roundpipe.optim as ro
 from conformance.harness import assert_norm_close, exact_norm
 from roundpipe.optim import amp, backends
+from tests._util import assert_unchanged, snapshot
 
 
 def _exact(backend) -> bool:
@@ -293,3 +294,238 @@ def test_clip_with_no_gradients_is_zero():
     opt = ro.SGD([torch.zeros(3, requires_grad=True)], lr=0.1)
     assert opt.clip_grad_norm_(1.0).item() == 0.0
     copy.deepcopy(opt)  # nothing pending that cannot be copied
+
+
+def _half_backward(model, seed=0, scaler=None):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)).half()
+    loss = model[1](model[0](x).float()).pow(2).sum()
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def _nothing_recorded(opt, *tensors):
+    assert not amp.pending(opt)
+    for t in tensors:
+        assert not any(k.startswith("_roundpipe_grad") for k in t.__dict__), "state put on a tensor"
+
+
+@pytest.mark.parametrize(
+    "what", ["model.parameters()", "masters", "one master", "one partner", "torch.optim optimizer"]
+)
+def test_clip_refuses_parameters_naming_the_call(what):
+    """torch's habit, clip_grad_norm_(model.parameters(), max_norm), raises TypeError naming
+    opt.clip_grad_norm_ (the clip belongs to the optimizer whose step applies it), recording
+    nothing; a torch.optim optimizer, whose step would never apply the clip, is refused too."""
+    model, masters = _mixed()
+    opt = ro.AdamW(masters)
+    _half_backward(model)
+    arg = {
+        "model.parameters()": lambda: model.parameters(),
+        "masters": lambda: masters,
+        "one master": lambda: masters[0],
+        "one partner": lambda: model[0].weight,
+        "torch.optim optimizer": lambda: torch.optim.SGD(masters, lr=0.1),
+    }[what]()
+    call = (
+        r"torch\.nn\.utils\.clip_grad_norm_\(params"
+        if what.startswith("torch")
+        else r"opt\.clip_grad_norm_\("
+    )
+    with pytest.raises(TypeError, match=call):
+        ro.clip_grad_norm_(arg, 1.0)
+    _nothing_recorded(opt, *masters, *model.parameters())
+
+
+@pytest.mark.parametrize("max_norm", ["model.parameters()", "a one-element parameter", "a list"])
+def test_clip_method_refuses_parameters_as_max_norm(max_norm):
+    """opt.clip_grad_norm_(model.parameters(), 1.0), torch's arguments given to the method: a
+    TypeError saying to pass max_norm alone, not a float() error or a parameter read as max_norm."""
+    model, masters = _mixed()
+    opt = ro.AdamW(masters)
+    _half_backward(model)
+    arg = {
+        "model.parameters()": lambda: model.parameters(),
+        "a one-element parameter": lambda: torch.nn.Parameter(torch.ones(1)),
+        "a list": lambda: [1.0],
+    }[max_norm]()
+    with pytest.raises(TypeError, match=r"max_norm must be a number.*opt\.clip_grad_norm_\(max_norm\)"):
+        opt.clip_grad_norm_(arg, 1.0)
+    _nothing_recorded(opt)
+    assert opt.clip_grad_norm_(torch.tensor(1e9)).isfinite()  # a 0-d tensor is a number, as in torch
+
+
+def _mixed_run(misplaced_clip):
+    """backward, step, (a clip after the step), opt.zero_grad(), backward, step."""
+    model, masters = _mixed()
+    opt = ro.AdamW(masters, lr=0.1)
+    _half_backward(model, 0)
+    opt.step()
+    if misplaced_clip:
+        opt.clip_grad_norm_(1e-3)
+    opt.zero_grad()
+    _half_backward(model, 1)
+    opt.step()
+    return [p.detach().clone() for p in (*masters, *model.parameters())]
+
+
+def test_clip_between_step_and_zero_grad_is_dropped_as_in_torch():
+    """torch's clip after the step scales gradients the step has read, which zero_grad then
+    drops: no step is clipped. opt.zero_grad() drops the pending coefficient the same way."""
+    for a, b in zip(_mixed_run(True), _mixed_run(False), strict=True):
+        assert torch.equal(a, b)
+
+
+STALE = {
+    # how the gradients a pending clip measured stop being the ones the next step reads
+    "model.zero_grad() then backward": lambda model, opt: (model.zero_grad(), _half_backward(model, 1)),
+    "another backward (accumulated)": lambda model, opt: _half_backward(model, 1),
+    "a gradient written in place": lambda model, opt: model[0].weight.grad.mul_(2),
+    "a gradient replaced": lambda model, opt: setattr(model[1].bias, "grad", model[1].bias.grad * 2),
+}
+
+
+@pytest.mark.parametrize("case", list(STALE))
+def test_clip_of_other_gradients_raises_before_anything_moves(case):
+    """A coefficient pending for gradients that have changed since (a clip after step() with
+    model.zero_grad() instead of opt.zero_grad(), another backward, an edit after the clip)
+    would scale other gradients than torch's clip did: the step, and another clip, raise
+    naming the order to use, and nothing moves; opt.zero_grad() drops it."""
+    model, masters = _mixed()
+    opt = ro.AdamW(masters, lr=0.1)
+    _half_backward(model, 0)
+    opt.step()
+    opt.clip_grad_norm_(1e-3)
+    STALE[case](model, opt)
+    before, partner = snapshot(opt), model[0].weight.detach().clone()
+    for call in (opt.step, lambda: opt.clip_grad_norm_(1.0)):
+        with pytest.raises(
+            RuntimeError, match=r"clip_grad_norm_ after the last backward, right before the step"
+        ):
+            call()
+    assert_unchanged(opt, before)
+    assert torch.equal(model[0].weight.detach(), partner)
+    opt.zero_grad()
+    _half_backward(model, 2)
+    opt.clip_grad_norm_(1e-3)
+    opt.step()
+    assert not torch.equal(model[0].weight.detach(), partner)
+
+
+def _two_optimizer_run(ours, steps=4):
+    """A float16 Linear (fp32 masters; roundpipe) or its fp32 copies (torch's composition) and an
+    fp32 LayerNorm, each in its own optimizer, one GradScaler: unscale_ one, step both, update.
+    Step 1 puts an inf into the Linear's gradient only: that optimizer's step is skipped."""
+    model, masters = _mixed()
+    if ours:
+        opts = [ro.SGD(masters[:2], lr=0.1, momentum=0.9), ro.Adam(masters[2:], lr=0.01)]
+        scaler = ro.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    else:
+        masters[:2] = [m.detach().clone() for m in masters[:2]]
+        opts = [
+            torch.optim.SGD(masters[:2], lr=0.1, momentum=0.9, foreach=False),
+            torch.optim.Adam(masters[2:], lr=0.01, foreach=False),
+        ]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    halves = list(model[0].parameters())
+    scales = []
+    for step in range(steps):
+        _half_backward(model, step, scaler)
+        if step == 1:
+            halves[0].grad.view(-1)[3] = float("inf")
+        if not ours:
+            for m, q in zip(masters[:2], halves, strict=True):
+                m.grad = q.grad.float()
+        scaler.unscale_(opts[0])
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        if not ours:
+            with torch.no_grad():
+                for m, q in zip(masters[:2], halves, strict=True):
+                    q.copy_(m)
+        for opt in opts:
+            opt.zero_grad()
+        model.zero_grad()
+        scales.append(scaler.get_scale())
+    return [p.detach().clone() for p in (*masters, *model.parameters())], scales
+
+
+def test_one_scaler_with_two_optimizers_as_torch():
+    """torch's GradScaler keeps per-optimizer state: one unscaled explicitly, one by its step,
+    a step skipped for the optimizer whose gradients overflowed only, one update. With masters
+    in one of them, the same steps and scales as the composition with torch.optim."""
+    (ours, our_scales), (theirs, their_scales) = _two_optimizer_run(True), _two_optimizer_run(False)
+    assert our_scales == their_scales and their_scales[1] < their_scales[0]
+    for a, b in zip(ours, theirs, strict=True):
+        if _exact(backends.resolve(None)):
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b)
+
+
+def test_unscale_after_step_raises_torchs_error():
+    model, masters = _mixed()
+    opt = ro.SGD(masters, lr=0.1)
+    scaler = ro.GradScaler("cpu", init_scale=4.0)
+    _backward(model, scaler)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
+        scaler.unscale_(opt)
+    _nothing_recorded(opt)
+
+
+REFUSED = {
+    # the scaler, and what makes the optimizer's step refuse (in begin_step, or in its plan)
+    "torch.amp.GradScaler": (torch.amp.GradScaler, lambda model, opt, scaler: None),
+    "roundpipe's, a stale clip": (
+        ro.GradScaler,
+        lambda model, opt, scaler: (opt.clip_grad_norm_(1e-3), _half_backward(model, 1, scaler)),
+    ),
+    "roundpipe's, a bad gradient": (
+        ro.GradScaler,
+        lambda model, opt, scaler: setattr(model[0].bias.grad, "data", torch.zeros(9, dtype=torch.float16)),
+    ),
+}
+
+
+def _scaled_then(model, opt, first, recover):
+    """An iteration whose scaler.step raises, opt.zero_grad(), then one ``recover`` iteration."""
+    scaler_cls, spoil = REFUSED[first]
+    scaler = scaler_cls("cpu", init_scale=2.0**10)
+    _half_backward(model, 0, scaler)
+    spoil(model, opt, scaler)
+    with pytest.raises((RuntimeError, ValueError)):
+        scaler.step(opt)
+    assert "grad_scale" not in opt.__dict__ and "found_inf" not in opt.__dict__
+    opt.zero_grad()
+    recover(model, opt)
+
+
+def _plain_iteration(model, opt):
+    _half_backward(model, 2)
+    opt.step()
+
+
+def _scaled_iteration(model, opt):
+    scaler = ro.GradScaler("cpu", init_scale=2.0**6)
+    _half_backward(model, 2, scaler)
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("first", list(REFUSED))
+@pytest.mark.parametrize("then", ["a plain step", "roundpipe.optim.GradScaler"])
+def test_a_refused_step_under_a_scaler_leaves_no_scale_behind(first, then):
+    """The scaler sets grad_scale and found_inf on the optimizer for its step and deletes them
+    after; a step that refuses (torch's GradScaler with masters, a stale clip) must not leave
+    them, or the next step (plain, or the next scaler's, which multiplies them in) unscales by
+    a stale scale. After the error and opt.zero_grad(), the next iteration is a fresh one's."""
+    recover = _plain_iteration if then == "a plain step" else _scaled_iteration
+    model, masters = _mixed()
+    opt = ro.SGD(masters, lr=0.1)
+    _scaled_then(model, opt, first, recover)
+    fresh_model, fresh_masters = _mixed()
+    recover(fresh_model, ro.SGD(fresh_masters, lr=0.1))
+    for a, b in zip(
+        (*masters, *model.parameters()), (*fresh_masters, *fresh_model.parameters()), strict=True
+    ):
+        assert torch.equal(a, b)

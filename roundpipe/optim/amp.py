@@ -32,6 +32,7 @@ applies the coefficient from that norm bit for bit. The composing engines (``ref
 from __future__ import annotations
 
 import math
+import numbers
 from itertools import compress, repeat
 from operator import attrgetter, is_
 
@@ -52,11 +53,13 @@ _VERSION = attrgetter("_version")
 class GradFactors:
     """The per-step factors waiting for the next step, in the order they were recorded."""
 
-    __slots__ = ("own", "partner")
+    __slots__ = ("measured", "own", "partner")
 
     def __init__(self):
         self.own: list = []  # float32 values, as Python floats
         self.partner: list = []
+        # a clip's coefficient holds for the gradients it measured: (those tensors, their versions)
+        self.measured: tuple | None = None
 
     def add(self, value: float, own: bool = True, partner: bool = True) -> None:
         if own:
@@ -148,11 +151,19 @@ def begin_step(opt):
     modifies nothing, as torch's GradScaler skips the step), else the pending factors (with
     this step's unscale added when the scaler left it to the step). Raises, before anything
     moves, under torch's own GradScaler when a partner's gradient would be stepped unseen."""
+    recorded = opt.__dict__.get(_FACTORS)
+    if recorded is not None and recorded.measured is not None:
+        try:
+            _check_measured(opt, recorded, "step()")
+        except RuntimeError:
+            _drop_scaler_attributes(opt)
+            raise
     found_inf = getattr(opt, "found_inf", None)
     scaling = found_inf is not None or "grad_scale" in opt.__dict__
     if not scaling:  # (no allocation: every step of every optimizer passes here)
-        return opt.__dict__.get(_FACTORS) or _NONE
+        return recorded or _NONE
     if not opt.__dict__.get(_CHECKED) and _partner_grads(opt):
+        _drop_scaler_attributes(opt)
         raise RuntimeError(
             f"roundpipe.optim.{type(opt).__name__}: torch.amp.GradScaler reads only param.grad, and "
             "this optimizer steps fp32 masters whose gradients live on their low-precision partners "
@@ -167,6 +178,14 @@ def begin_step(opt):
         factors = factors.copy()
         factors.add(_inverse(grad_scale))
     return factors
+
+
+def _drop_scaler_attributes(opt) -> None:
+    """Undo what ``GradScaler.step`` set on ``opt`` for a step that raises: the scaler deletes
+    them only after a step returns, and left behind, the next step (a plain one, or the next
+    ``scaler.step``, which multiplies them in) would unscale by a stale scale."""
+    opt.__dict__.pop("grad_scale", None)
+    opt.__dict__.pop("found_inf", None)
 
 
 def _inverse(scale) -> float:
@@ -204,6 +223,16 @@ class GradScaler(torch.amp.GradScaler):
                     torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
         return {**per_device, found.device: found}
 
+    def step(self, optimizer, *args, **kwargs):
+        had = {k: optimizer.__dict__[k] for k in ("grad_scale", "found_inf") if k in optimizer.__dict__}
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        except BaseException:
+            if _is_roundpipe(optimizer):  # (torch deletes them only after a step that returned)
+                _drop_scaler_attributes(optimizer)
+                optimizer.__dict__.update(had)
+            raise
+
     def unscale_(self, optimizer):
         super().unscale_(optimizer)
         if self._enabled and optimizer.__dict__.get(_CHECKED):  # the check saw partners' grads
@@ -224,11 +253,21 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     the total norm (a tensor); the clip coefficient is applied by the next step, in its pass,
     instead of being written into the gradients now. On the numba engine the norm is one
     read-only pass's (``_total``: torch's to rounding); elsewhere torch's foreach norms, bit
-    for bit. ``foreach`` is accepted for torch's signature."""
+    for bit. ``foreach`` is accepted for torch's signature.
+
+    Takes the optimizer, not parameters as torch's does: the coefficient is not written into
+    ``.grad`` but applied by that optimizer's next step to every gradient it reads, and
+    parameters do not say which optimizer that is (a master may be in two; a partner knows
+    none; a part of an optimizer's parameters cannot be clipped alone). Parameters raise
+    ``TypeError`` naming the call to make."""
+    _check_clip_arguments(opt, max_norm)
     norm_type = float(norm_type)
     max_norm = float(max_norm)
-    factors = pending(opt)
     grads, paired = _gradients(opt)
+    factors = opt.__dict__.get(_FACTORS)
+    if factors is not None and factors.measured is not None:
+        _check_measured(opt, factors, "clip_grad_norm_()", grads)
+    factors = pending(opt)
     if not grads:
         return torch.tensor(0.0)
     total = _total(opt, grads, paired, norm_type, factors)
@@ -243,7 +282,52 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if float(clip_coef) != 1.0:  # a factor of 1 changes no bits: no factor
         factors.add(float(clip_coef))
+        factors.measured = (grads, list(map(_VERSION, grads)))
     return total
+
+
+def _check_clip_arguments(opt, max_norm) -> None:
+    """``TypeError`` naming the call to make, for what torch's habits put in ``clip_grad_norm_``'s
+    place: parameters (model.parameters(), masters, one tensor) instead of the optimizer, a
+    torch.optim optimizer (its step would never apply the coefficient), parameters as max_norm."""
+    if not _is_roundpipe(opt):
+        if isinstance(opt, torch.optim.Optimizer):
+            got = f"a {type(opt).__module__}.{type(opt).__name__}, whose step would not apply the clip"
+            instead = "torch.nn.utils.clip_grad_norm_(params, max_norm) for a torch.optim optimizer"
+        else:
+            what = "a tensor" if isinstance(opt, torch.Tensor) else type(opt).__name__
+            got = f"{what} (parameters, as torch.nn.utils.clip_grad_norm_ takes)"
+            instead = "opt.clip_grad_norm_(max_norm), or roundpipe.optim.clip_grad_norm_(opt, max_norm)"
+        raise TypeError(
+            f"roundpipe.optim.clip_grad_norm_ takes the roundpipe optimizer whose next step the clip "
+            f"applies to, over every gradient that step reads (the masters' partners' too); got {got}. "
+            f"Call {instead}."
+        )
+    if isinstance(max_norm, torch.nn.Parameter) or not (
+        isinstance(max_norm, numbers.Real) or (isinstance(max_norm, torch.Tensor) and max_norm.dim() == 0)
+    ):
+        raise TypeError(
+            f"roundpipe.optim.{type(opt).__name__}.clip_grad_norm_: max_norm must be a number, got "
+            f"{type(max_norm).__name__}. The optimizer clips every gradient its step reads: call "
+            "opt.clip_grad_norm_(max_norm), without parameters."
+        )
+
+
+def _check_measured(opt, factors, call, grads=None) -> None:
+    """Raises, recording nothing, where the gradients a pending clip coefficient was computed
+    from are not the ones the next step reads: torch's clip would have scaled those, not these."""
+    seen, versions = factors.measured
+    if grads is None:
+        grads = _gradients(opt)[0]
+    if _same(seen, grads) and list(map(_VERSION, grads)) == versions:
+        return
+    raise RuntimeError(
+        f"roundpipe.optim.{type(opt).__name__}.{call}: the gradients changed since clip_grad_norm_ "
+        "measured them (another backward, a gradient written or replaced, model.zero_grad() after a clip "
+        "that came after step()), so the coefficient pending for the next step was computed from other "
+        "gradients. Call opt.clip_grad_norm_ after the last backward, right before the step; "
+        "opt.zero_grad() drops a pending clip."
+    )
 
 
 def _sums(opt, grads, order):

@@ -27,16 +27,27 @@ gradients too.
 Pairings live on the master tensor (``pair``/``unpair``/``partner_of``), so param groups,
 ``add_param_group``, ``state_dict()`` (the masters' state, interchangeable with torch.optim's) and
 schedulers work as ever; ``fp32_masters(model)`` pairs a whole model.
+
+A partner has one live master: pairing it again (``fp32_masters(model)`` run a second time, a
+notebook cell re-run) makes the new master its writer, and the old one *superseded*: it keeps
+naming the partner, so that a step over it raises (``partner_problem``) instead of writing the
+partner from a stale master or silently skipping it; ``pair`` or ``unpair`` it to end that.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .tensors import is_dtensor
 
 PARTNER_DTYPES = (torch.bfloat16, torch.float16)
 _ATTR = "_roundpipe_partner"
+_SUPERSEDED = "_roundpipe_superseded"  # a later pairing took this master's partner
+# each partner's live master, weakly both ways (off the partner itself, which a user may pickle)
+_master_of = WeakIdKeyDictionary()
 # bumped by every pair()/unpair(): a step plan built before a change is rebuilt (an O(1) check)
 _changes = [0]
 
@@ -51,7 +62,17 @@ def partner_of(master):
 
 
 def partner_problem(master, partner):
-    """``(exception class, message)`` if ``master`` and ``partner`` cannot be paired, else None."""
+    """``(exception class, message)`` if ``master`` cannot step with ``partner``, else None."""
+    if master.__dict__.get(_SUPERSEDED):
+        return RuntimeError, (
+            "its partner was paired with another master since (roundpipe.optim.fp32_masters or pair "
+            "called again on the same parameter), which now writes it: build the optimizer over the new "
+            "masters, or call roundpipe.optim.pair(master, partner) to make this one its writer again"
+        )
+    return _pair_problem(master, partner)
+
+
+def _pair_problem(master, partner):
     if is_dtensor(master) or is_dtensor(partner):
         return TypeError, (
             "a DTensor (FSDP2) cannot be paired: pair the local fp32 shard's optimizer with plain tensors, "
@@ -87,20 +108,48 @@ def _overlap(a, b) -> bool:
 
 def pair(master, partner):
     """Pair the fp32 ``master`` with its low-precision ``partner`` (see the module docstring).
-    Raises (and pairs nothing) when they cannot be paired; re-pairing replaces the partner."""
-    problem = partner_problem(master, partner)
+    Raises (and pairs nothing) when they cannot be paired; re-pairing replaces the partner. A
+    partner already paired with another master is taken from it: that master is superseded (a
+    step over it raises), so that two masters never both write one partner."""
+    problem = _pair_problem(master, partner)
     if problem is not None:
         cls, msg = problem
         raise cls(f"roundpipe.optim.pair: {msg}")
+    old = _live_master(partner)
+    if old is not None and old is not master:
+        old.__dict__[_SUPERSEDED] = True
+    _forget(master)
     master.__dict__[_ATTR] = partner
+    _master_of[partner] = weakref.ref(master)
     _changes[0] += 1
     return master
 
 
 def unpair(master):
-    """Remove ``master``'s pairing (if any); returns the partner it had, or None."""
+    """Remove ``master``'s pairing (if any, superseded or not); returns the partner it had, or None."""
     _changes[0] += 1
-    return master.__dict__.pop(_ATTR, None) if hasattr(master, "__dict__") else None
+    if not hasattr(master, "__dict__"):
+        return None
+    return _forget(master)
+
+
+def _live_master(partner):
+    """The master that writes ``partner`` now, or None."""
+    ref = _master_of.get(partner)
+    master = ref() if ref is not None else None
+    if master is None or master.__dict__.get(_ATTR) is not partner or master.__dict__.get(_SUPERSEDED):
+        return None
+    return master
+
+
+def _forget(master):
+    """Drop ``master``'s pairing; returns its partner (or None)."""
+    partner = master.__dict__.pop(_ATTR, None)
+    master.__dict__.pop(_SUPERSEDED, None)
+    ref = _master_of.get(partner) if partner is not None else None
+    if ref is not None and ref() is master:
+        del _master_of[partner]
+    return partner
 
 
 def fp32_masters(params) -> list:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from itertools import compress, repeat
 from operator import attrgetter, is_
 
@@ -58,7 +59,8 @@ class GradFactors:
     def __init__(self):
         self.own: list = []  # float32 values, as Python floats
         self.partner: list = []
-        # a clip's coefficient holds for the gradients it measured: (those tensors, their versions)
+        # a clip's coefficient holds for the gradients it measured: (weak references to those
+        # tensors, their versions); weak, so a pending clip never keeps a set of gradients alive
         self.measured: tuple | None = None
 
     def add(self, value: float, own: bool = True, partner: bool = True) -> None:
@@ -247,7 +249,13 @@ def _is_roundpipe(optimizer) -> bool:
 
 
 @torch.no_grad()
-def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+def clip_grad_norm_(
+    opt: torch.optim.Optimizer,
+    max_norm: float | torch.Tensor,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over every gradient the next step of ``opt`` reads,
     partners' included, widened to float32 and unscaled as the composition has them. Returns
     the total norm (a tensor); the clip coefficient is applied by the next step, in its pass,
@@ -282,7 +290,7 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, fore
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if float(clip_coef) != 1.0:  # a factor of 1 changes no bits: no factor
         factors.add(float(clip_coef))
-        factors.measured = (grads, list(map(_VERSION, grads)))
+        factors.measured = (list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
     return total
 
 
@@ -316,10 +324,10 @@ def _check_clip_arguments(opt, max_norm) -> None:
 def _check_measured(opt, factors, call, grads=None) -> None:
     """Raises, recording nothing, where the gradients a pending clip coefficient was computed
     from are not the ones the next step reads: torch's clip would have scaled those, not these."""
-    seen, versions = factors.measured
+    refs, versions = factors.measured
     if grads is None:
         grads = _gradients(opt)[0]
-    if _same(seen, grads) and list(map(_VERSION, grads)) == versions:
+    if _same([r() for r in refs], grads) and list(map(_VERSION, grads)) == versions:
         return
     raise RuntimeError(
         f"roundpipe.optim.{type(opt).__name__}.{call}: the gradients changed since clip_grad_norm_ "

@@ -37,6 +37,7 @@ partner from a stale master or silently skipping it; ``pair`` or ``unpair`` it t
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -56,7 +57,7 @@ def generation() -> int:
     return _changes[0]
 
 
-def partner_of(master):
+def partner_of(master: torch.Tensor) -> torch.Tensor | None:
     """The low-precision partner paired with ``master``, or None."""
     return master.__dict__.get(_ATTR) if hasattr(master, "__dict__") else None
 
@@ -106,7 +107,7 @@ def _overlap(a, b) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def pair(master, partner):
+def pair(master: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
     """Pair the fp32 ``master`` with its low-precision ``partner`` (see the module docstring).
     Raises (and pairs nothing) when they cannot be paired; re-pairing replaces the partner. A
     partner already paired with another master is taken from it: that master is superseded (a
@@ -125,7 +126,7 @@ def pair(master, partner):
     return master
 
 
-def unpair(master):
+def unpair(master: torch.Tensor) -> torch.Tensor | None:
     """Remove ``master``'s pairing (if any, superseded or not); returns the partner it had, or None."""
     _changes[0] += 1
     if not hasattr(master, "__dict__"):
@@ -152,7 +153,7 @@ def _forget(master):
     return partner
 
 
-def fp32_masters(params) -> list:
+def fp32_masters(params: torch.nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """fp32 masters for the parameters of a low-precision model, ready for an optimizer.
 
     ``params``: a module (its ``parameters()``) or an iterable of tensors. Each bfloat16 or

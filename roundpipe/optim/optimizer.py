@@ -89,7 +89,13 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
     # the same hooks (_hooked_step) for less, which a step of one parameter pays
     step.hooked = True
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    def clip_grad_norm_(
+        self,
+        max_norm: float | torch.Tensor,
+        norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every gradient the next step reads, the
         masters' partners' included (widened, unscaled): returns the total norm; the next step
         applies the clip coefficient in its own pass (``roundpipe.optim.amp``)."""

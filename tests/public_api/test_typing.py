@@ -23,7 +23,7 @@ ROOT = HERE.parents[1]
 REVEALED = [
     "roundpipe.optim.optimizers.AdamW",
     "builtins.str",
-    "builtins.list[torch.nn.parameter.Parameter]",
+    "builtins.list[torch._tensor.Tensor]",
     "torch._tensor.Tensor",
     "torch._tensor.Tensor | None",
     "builtins.int",

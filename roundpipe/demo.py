@@ -1,7 +1,7 @@
 """Demo: train a small GPT-style language model with roundpipe's AdamW and torch's, side by side.
 
     python -m roundpipe.demo [--steps 30] [--threads N] [--backend fast] [--compare fast:torch,...]
-                             [--small] [--mixed float16|bfloat16]
+                             [--small] [--mixed float16|bfloat16 [--compute auto|16-bit|float32]]
 
 Identical copies of one model (``build_model``: token and position embeddings, pre-LayerNorm
 transformer blocks with separate q/k/v/o projections, an untied output head: about 29M
@@ -219,9 +219,18 @@ def parse_args(argv=None):
         help="instead: the model in this dtype with fp32 masters, loss scaling (float16) and clipping, "
         "against the same loop with torch.optim and explicit casts (roundpipe/demo_mixed.py)",
     )
+    parser.add_argument(
+        "--compute",
+        choices=demo_mixed.COMPUTE,
+        help="with --mixed: the forward and backward in its dtype (16-bit) or in float32 from the "
+        "16-bit parameters (default auto: float32 where a 16-bit matmul is slow on this CPU)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.compute is not None and not args.mixed:
+        parser.error("--compute applies to --mixed only")
+    args.compute = args.compute or "auto"
     if args.threads is not None:
         if args.threads < 1:
             parser.error("--threads must be at least 1")

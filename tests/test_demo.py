@@ -3,9 +3,12 @@
 It is never given ``--threads``: that would set numexpr's thread count for the tests after these.
 """
 
-import pytest
+import copy
 
-from roundpipe import demo
+import pytest
+import torch
+
+from roundpipe import demo, demo_mixed
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim import bench
 
@@ -48,14 +51,66 @@ def test_demo_runs(capsys):
         demo.main(["--small", "--steps", "1", "--compare", "bogus"])
 
 
+@pytest.mark.parametrize("compute", ["16-bit", "float32"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_demo_mixed_precision_runs_bitwise(capsys, dtype):
+def test_demo_mixed_precision_runs_bitwise(capsys, dtype, compute):
     """--mixed: the model in low precision with fp32 masters, (loss scaling and) clipping, next
     to the same loop with torch.optim and casts; roundpipe's model ends bitwise equal to the
-    for-loop composition's (the exit status says so too)."""
-    assert demo.main(["--small", "--steps", "4", "--mixed", dtype]) == 0
+    for-loop composition's (the exit status says so too), with the forward and backward in the
+    16-bit dtype or in float32 from the 16-bit parameters."""
+    assert demo.main(["--small", "--steps", "4", "--mixed", dtype, "--compute", compute]) == 0
     out = capsys.readouterr().out
     assert f"every parameter in {dtype}, fp32 masters" in out
+    how = dtype if compute == "16-bit" else f"float32, from float32 copies of the {dtype} parameters"
+    assert f"forward and backward: {how}" in out
+    assert f"why: --compute {compute}" in out
     assert "speedup of roundpipe's optimizer phase over torch fused's" in out
     assert "the model is bitwise equal to the for-loop composition's" in out
     assert "roundpipe's clip norms against torch's get_total_norm of the same gradients" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mixed_float32_compute_leaves_16_bit_gradients(dtype):
+    """Forward and backward in float32 still leave every parameter (a partner) and its gradient
+    in the 16-bit dtype, the gradients those of the float32 arithmetic rounded once."""
+    model = demo.build_model("small").to(dtype)
+    wide = copy.deepcopy(model).float()
+    data = torch.randint(0, demo.SIZES["small"][0], (2, demo.SIZES["small"][4] + 1))
+
+    class Runner:
+        scaler, loss = None, None
+
+        def phase(self):
+            pass
+
+    demo_mixed._train_step(model, Runner(), data, torch.arange(2), widen=True)
+    x, y = data[:, :-1], data[:, 1:]
+    torch.nn.functional.cross_entropy(wide(x).flatten(0, 1), y.flatten()).backward()
+    for p, q in zip(model.parameters(), wide.parameters(), strict=True):
+        assert p.dtype == p.grad.dtype == dtype
+        assert torch.equal(p.grad, q.grad.to(dtype))
+
+
+@pytest.mark.parametrize("ratio", [0.5, 30.0])
+def test_mixed_compute_auto_follows_the_matmul_timing(monkeypatch, ratio):
+    """auto computes in float32 exactly where a 16-bit matmul is over SLOW_RATIO times slower,
+    and the header says what it measured; --compute forces either without timing."""
+    monkeypatch.setattr(demo_mixed, "matmul_slowdown", lambda dtype: ratio)
+    widen, lines = demo_mixed.choose_compute(torch.float16, "auto")
+    assert widen == (ratio > demo_mixed.SLOW_RATIO)
+    assert f"a float16 matmul took {ratio:.1f}x float32's time on one core here" in lines
+    assert ("--compute 16-bit forces float16" in lines) == widen
+    monkeypatch.setattr(demo_mixed, "matmul_slowdown", None)  # forced: never timed
+    assert demo_mixed.choose_compute(torch.float16, "16-bit")[0] is False
+    assert demo_mixed.choose_compute(torch.float16, "float32")[0] is True
+
+
+def test_matmul_slowdown_measures_and_restores_threads():
+    threads = torch.get_num_threads()
+    assert demo_mixed.matmul_slowdown(torch.bfloat16, rows=8, width=16, reps=2) > 0
+    assert torch.get_num_threads() == threads
+
+
+def test_demo_compute_needs_mixed():
+    with pytest.raises(SystemExit):
+        demo.main(["--small", "--steps", "1", "--compute", "float32"])

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -286,3 +289,30 @@ def test_concurrent_steps_of_one_program_are_the_sequential_ones(backend, n, rp_
             assert_bits_equal(p.detach(), q.detach(), f"thread {seed}: param {i}")
             for k, v in opt.state[p].items():
                 assert_bits_equal(v, ref.state[q][k], f"thread {seed}: param {i}: state[{k!r}]")
+
+
+_ENGINE_THREADS = """
+import os, sys
+import torch
+import roundpipe.optim as ro
+torch.set_num_threads(1)
+p = torch.nn.Parameter(torch.randn(1000))
+p.grad = torch.randn(1000)
+opt = ro.AdamW([p], lr=1e-3, backend=sys.argv[1])
+opt.step()
+opt.step()
+print("numexpr" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("backend", ["fast", "fast:torch", "reference"])
+def test_a_step_on_another_engine_leaves_numexpr_unimported(backend):
+    """numexpr starts its thread pool when it is imported: a process that never steps on the
+    numexpr engine (every rank of a training job on the default one) must not carry it to its
+    exit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_OPTIM_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _ENGINE_THREADS, backend], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

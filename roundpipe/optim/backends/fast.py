@@ -41,7 +41,7 @@ import torch
 from .. import threads
 from ..backend_api import Backend
 from ..tensors import contiguous_run
-from . import CompileCache, composed, numba_engine, numexpr_engine, segments, torch_engine
+from . import CompileCache, composed, numba_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
 
 logger = logging.getLogger("roundpipe.optim")
@@ -169,6 +169,10 @@ class FastBackend(Backend):
     def executor(self, engine, program, variant, values, nthreads):
         """``execute(units)``: run the program in place on each unit (name -> same-shaped tensor)."""
         if engine == "numexpr":
+            # imported here, not with this module: numexpr starts its thread pool at import, which
+            # every process stepping on another engine would carry to its exit for nothing
+            from . import numexpr_engine
+
             prog = _numexpr_programs.get(
                 (program, variant), lambda: numexpr_engine.compile_program(program, variant)
             )

@@ -1,5 +1,5 @@
 """FSDP2 ranks exit cleanly under heavy load, on roundpipe's default engine and, as the control in
-the same run, on ``torch.optim`` (issue 40): a flake of the machine and a flake of ours read
+the same run, on ``torch.optim``: a flake of the machine and a flake of ours read
 differently.
 
 Each rank pair is two fresh interpreters (as torchrun starts them) on gloo, one thread each,

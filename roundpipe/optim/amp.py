@@ -155,17 +155,12 @@ def begin_step(opt):
     moves, under torch's own GradScaler when a partner's gradient would be stepped unseen."""
     recorded = opt.__dict__.get(_FACTORS)
     if recorded is not None and recorded.measured is not None:
-        try:
-            _check_measured(opt, recorded, "step()")
-        except RuntimeError:
-            _drop_scaler_attributes(opt)
-            raise
+        _check_measured(opt, recorded, "step()")
     found_inf = getattr(opt, "found_inf", None)
     scaling = found_inf is not None or "grad_scale" in opt.__dict__
     if not scaling:  # (no allocation: every step of every optimizer passes here)
         return recorded or _NONE
     if not opt.__dict__.get(_CHECKED) and _partner_grads(opt):
-        _drop_scaler_attributes(opt)
         raise RuntimeError(
             f"roundpipe.optim.{type(opt).__name__}: torch.amp.GradScaler reads only param.grad, and "
             "this optimizer steps fp32 masters whose gradients live on their low-precision partners "
@@ -182,10 +177,10 @@ def begin_step(opt):
     return factors
 
 
-def _drop_scaler_attributes(opt) -> None:
-    """Undo what ``GradScaler.step`` set on ``opt`` for a step that raises: the scaler deletes
-    them only after a step returns, and left behind, the next step (a plain one, or the next
-    ``scaler.step``, which multiplies them in) would unscale by a stale scale."""
+def drop_scaler_attributes(opt) -> None:
+    """Undo what a ``GradScaler.step`` (torch's or ours) set on ``opt``, for a step that raises:
+    the scaler deletes them only after a step returns, and left behind, the next step (a plain
+    one, or the next ``scaler.step``, which multiplies them in) would unscale by a stale scale."""
     opt.__dict__.pop("grad_scale", None)
     opt.__dict__.pop("found_inf", None)
 
@@ -224,16 +219,6 @@ class GradScaler(torch.amp.GradScaler):
                 for same in by_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
         return {**per_device, found.device: found}
-
-    def step(self, optimizer, *args, **kwargs):
-        had = {k: optimizer.__dict__[k] for k in ("grad_scale", "found_inf") if k in optimizer.__dict__}
-        try:
-            return super().step(optimizer, *args, **kwargs)
-        except BaseException:
-            if _is_roundpipe(optimizer):  # (torch deletes them only after a step that returned)
-                _drop_scaler_attributes(optimizer)
-                optimizer.__dict__.update(had)
-            raise
 
     def unscale_(self, optimizer):
         super().unscale_(optimizer)

@@ -123,9 +123,13 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
 
 
 def _run_step(opt):
-    factors = amp.begin_step(opt)  # raises before anything moves where scaling cannot be seen
-    if factors is not None:  # None: an inf or NaN under loss scaling, the step modifies nothing
-        run_step(opt, backends.get(opt._roundpipe_backend), factors)
+    try:
+        factors = amp.begin_step(opt)  # raises before anything moves where scaling cannot be seen
+        if factors is not None:  # None: an inf or NaN under loss scaling, the step modifies nothing
+            run_step(opt, backends.get(opt._roundpipe_backend), factors)
+    except BaseException:
+        amp.drop_scaler_attributes(opt)  # a step that raised changed nothing, the scale included
+        raise
     amp.clear(opt)  # (a step that raised keeps what was recorded for it: it changed nothing)
 
 

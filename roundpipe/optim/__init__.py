@@ -27,18 +27,38 @@ Where things live:
 from .amp import GradScaler, clip_grad_norm_
 from .masters import fp32_masters, pair, partner_of, unpair
 from .optimizer import RoundpipeOptimizer
-from .optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
+from .optimizers import (
+    ASGD,
+    SGD,
+    Adadelta,
+    Adafactor,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    NAdam,
+    RAdam,
+    RMSprop,
+    Rprop,
+)
 from .threads import get_num_threads, set_num_threads
+
+try:
+    from .optimizers import Muon
+except ImportError:  # torch < 2.9: no torch.optim.Muon (``__getattr__`` below says so)
+    pass
 
 __all__ = [
     "ASGD",
     "SGD",
     "Adadelta",
+    "Adafactor",
     "Adagrad",
     "Adam",
     "AdamW",
     "Adamax",
     "GradScaler",
+    "Muon",
     "NAdam",
     "RAdam",
     "RMSprop",
@@ -52,3 +72,14 @@ __all__ = [
     "set_num_threads",
     "unpair",
 ]
+
+
+def __getattr__(name: str):
+    if name == "Muon":
+        import torch
+
+        raise ImportError(
+            f"roundpipe.optim.Muon needs torch.optim.Muon, which torch ships from 2.9; "
+            f"the installed torch is {torch.__version__}"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

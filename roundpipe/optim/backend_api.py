@@ -81,6 +81,16 @@ class Backend(ABC):
         everything else as it was; or None (the step plan then prepares it anew)."""
         return None
 
+    def prepare_staged(
+        self, program: Program, scalars: list[dict[str, float]], tensors: list[dict[str, torch.Tensor]]
+    ) -> Callable[[], list[dict[str, torch.Tensor]]]:
+        """A pass of a staged step (``spec/staged.py``): ``program`` once per parameter, the i-th
+        with ``scalars[i]`` and ``tensors[i]`` (float32 tensors in their shapes, broadcast inputs
+        in theirs, scratch tensors of any dtype); everything that can fail done here. The launch
+        returns each parameter's reductions (``norm`` statements) by name, as torch's
+        ``torch.norm(..., keepdim=True)`` returns them."""
+        raise TypeError(f"backend {self.name!r} cannot run the passes of a staged optimizer step")
+
     def gradient_sums(self, grads: Sequence[torch.Tensor], order: float) -> np.ndarray | None:
         """Per gradient, the float64 sum a norm of ``order`` (1, 2 or inf) is taken from, in one
         read-only pass; None where this backend has no such pass (``amp.py`` then takes

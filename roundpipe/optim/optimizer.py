@@ -28,14 +28,15 @@ from torch.optim import optimizer as _torch_optimizer
 
 from . import amp, backends, torch_support
 from .masters import partner_of
-from .plan import adopt_init_state, run_step
+from .plan import adopt_init_state, run_staged_step, run_step
 from .spec.core import OptimizerSpec
+from .spec.staged import StagedSpec
 
 
 class RoundpipeOptimizer(torch.optim.Optimizer):
     """Base of the ``roundpipe.optim`` classes (``optimizers.py``); subclasses set ``spec``."""
 
-    spec: ClassVar[OptimizerSpec | None] = None
+    spec: ClassVar[OptimizerSpec | StagedSpec | None] = None
     _roundpipe_backend: str
     # torch's GradScaler hands the unscale and its inf check to the step (amp.py)
     _step_supports_amp_scaling = True
@@ -126,7 +127,8 @@ def _run_step(opt):
     try:
         factors = amp.begin_step(opt)  # raises before anything moves where scaling cannot be seen
         if factors is not None:  # None: an inf or NaN under loss scaling, the step modifies nothing
-            run_step(opt, backends.get(opt._roundpipe_backend), factors)
+            run = run_staged_step if isinstance(opt.spec, StagedSpec) else run_step
+            run(opt, backends.get(opt._roundpipe_backend), factors)
     except BaseException:
         amp.drop_scaler_attributes(opt)  # a step that raised changed nothing, the scale included
         raise

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .optimizer import RoundpipeOptimizer
-from .spec import SPECS
+from .spec import SPECS, STAGED_SPECS
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Adadelta",
+    "Adafactor",
     "Adagrad",
     "Adam",
     "Adamax",
@@ -35,6 +36,7 @@ __all__ = [
     "RMSprop",
     "Rprop",
     "SGD",
+    "Muon",
 ]
 
 
@@ -58,6 +60,29 @@ class Adadelta(RoundpipeOptimizer, torch.optim.Adadelta):
             capturable: bool = False,
             maximize: bool = False,
             differentiable: bool = False,
+            backend: str | None = None,
+        ) -> None: ...
+
+
+class Adafactor(RoundpipeOptimizer, torch.optim.Adafactor):
+    """``torch.optim.Adafactor`` stepped by roundpipe's CPU backends: the same arguments,
+    defaults, errors, state and ``state_dict``, and a keyword-only ``backend``."""
+
+    spec = STAGED_SPECS["Adafactor"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float | Tensor = 0.01,
+            beta2_decay: float = -0.8,
+            eps: tuple[float | None, float] = (None, 0.001),
+            d: float = 1.0,
+            weight_decay: float = 0.0,
+            *,
+            foreach: bool | None = None,
+            maximize: bool = False,
             backend: str | None = None,
         ) -> None: ...
 
@@ -312,3 +337,32 @@ class SGD(RoundpipeOptimizer, torch.optim.SGD):
             fused: bool | None = None,
             backend: str | None = None,
         ) -> None: ...
+
+
+# torch.optim.Muon exists from torch 2.9: before, importing roundpipe.optim.Muon raises an
+# ImportError naming the installed torch (roundpipe/optim/__init__.py)
+if TYPE_CHECKING or "Muon" in STAGED_SPECS:
+
+    class Muon(RoundpipeOptimizer, torch.optim.Muon):
+        """``torch.optim.Muon`` stepped by roundpipe's CPU backends: the same arguments, defaults,
+        errors, state and ``state_dict``, and a keyword-only ``backend``. The Newton-Schulz
+        matmuls are torch's own."""
+
+        spec = STAGED_SPECS["Muon"]
+
+        if TYPE_CHECKING:
+
+            def __init__(
+                self,
+                params: ParamsT,
+                lr: float = 0.001,
+                weight_decay: float = 0.1,
+                momentum: float = 0.95,
+                nesterov: bool = True,
+                ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                eps: float = 1e-07,
+                ns_steps: int = 5,
+                adjust_lr_fn: str | None = None,
+                *,
+                backend: str | None = None,
+            ) -> None: ...

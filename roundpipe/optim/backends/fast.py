@@ -32,6 +32,7 @@ once); the engine choice and the fallback record are written under ``self._lock`
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -43,6 +44,8 @@ from ..backend_api import Backend
 from ..tensors import contiguous_run
 from . import CompileCache, composed, numba_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
+from .numba_engine import staged as numba_staged
+from .reference import run_staged
 
 logger = logging.getLogger("roundpipe.optim")
 
@@ -55,6 +58,20 @@ FALLBACK_ENGINE = "torch"
 # engines; the step plan creates their state in flat buffers for every engine).
 SMALL_NUMEL = 1 << 16
 _NO_CACHE: dict = {}
+
+
+def staged_fusion(program, fused, tensors):
+    """The fused multiply-adds of a staged pass: the engine's, or, where the pass reads a
+    low-precision tensor (Muon's bfloat16 update), what ``torch_mixed_fusion`` measured for
+    ``add`` (None: unknown, the pass runs torch's ops)."""
+    if not tensors or all(
+        tensors[0][t].dtype == torch.float32 for t in program.tensors if t not in program.targets
+    ):
+        return fused
+    mixed = numba_staged.torch_mixed_fusion()
+    if mixed is None:
+        return None
+    return (set(fused) | {"add"}) if mixed else (set(fused) - {"add"})
 
 
 def engine_setting(engine: str | None = None) -> tuple[str, bool]:
@@ -233,6 +250,32 @@ class FastBackend(Backend):
             columns,
             cache.setdefault(engine, {}),
         )
+
+    def prepare_staged(self, program, scalars, tensors):
+        """A staged step's pass: compiled on the numba engine (``numba_engine.staged``) where its
+        probes found torch's reduction order and fused multiply-adds reproduced; torch's own ops
+        (``reference.run_staged``: the same bits) on the other engines and elsewhere."""
+        if self.engine(program) == "numba":
+            fused = staged_fusion(program, self.numba_engine().fused, tensors)
+            order = numba_staged.torch_reductions() if program.reductions else (8, (False, True))
+            if fused is not None and order is not None:
+                nthreads = threads.get_num_threads()
+                launch = numba_staged.prepare(program, scalars, tensors, fused, *order, nthreads, run_staged)
+                if launch is not None:
+                    return launch
+            self._log_staged_once(program, fused, order)
+        return functools.partial(run_staged, program, scalars, tensors)
+
+    def _log_staged_once(self, program, fused, order):
+        if logger.isEnabledFor(logging.DEBUG) and ("staged", program) not in self._logged:
+            self._logged.add(("staged", program))
+            logger.debug(
+                "backend=fast: a staged pass runs torch's ops (reductions reproduced: %s, "
+                "mixed-dtype fused multiply-adds known: %s):\n%s",
+                order is not None,
+                fused is not None,
+                program,
+            )
 
     def replay_handle(self, program, cache):
         """The numba engine's record of its launch (``numba_engine.engine.LaunchRecord``); the

@@ -9,7 +9,8 @@ must be bound to a local first, and how text is put together (``fmt``: the numba
 records which locals an expression reads). The formulas:
 
 * ``number / tensor`` is ``reciprocal(tensor) * number`` (torch's ``__rtruediv__``);
-* ``sign``: ``(0 < x) - (x < 0)``, NaN gives 0; ``maximum`` and ``clamp`` propagate NaN;
+* ``sign``: ``(0 < x) - (x < 0)``, NaN gives 0; ``maximum``, ``clamp`` and ``clamp_min``
+  propagate NaN; ``rsqrt`` is ``1 / sqrt(x)``, the root correctly rounded (ATen's kernel);
 * ``add(a, b, alpha)`` = ``a + alpha * b``; ``addcmul`` = ``a + (value * b) * c``;
   ``addcdiv`` = ``a + (value * b) / c``;
 * ``lerp(a, b, w)``: ATen's two branches, ``a + w * (b - a)`` for ``|w| < 0.5``, else
@@ -101,6 +102,10 @@ class Lowering:
     def sqrt(self, x: str) -> str:
         raise NotImplementedError
 
+    def correct_sqrt(self, x: str) -> str:
+        """The correctly rounded square root (``rsqrt``'s: ATen computes ``1 / std::sqrt``)."""
+        raise NotImplementedError
+
     def fma(self, a: str, b: str, c: str) -> str:
         """``a * b + c`` rounded once (only called for functions in ``fused``)."""
         raise NotImplementedError
@@ -147,6 +152,9 @@ class Lowering:
     def fn_sqrt(self, x):
         return self.sqrt(self(x))
 
+    def fn_rsqrt(self, x):
+        return self.fmt("({} / {})", self.const(1.0), self.correct_sqrt(self(x)))
+
     def fn_abs(self, x):
         return self.fmt("abs({})", self(x))
 
@@ -167,6 +175,10 @@ class Lowering:
         x, lo, hi = self.bind(self(x)), self(lo), self(hi)
         low = self.bind(self.select(self.fmt("{} < {}", x, lo), lo, x))
         return self.select(self.fmt("{} > {}", low, hi), hi, low)
+
+    def fn_clamp_min(self, x, lo):
+        x, lo = self.bind(self(x)), self(lo)
+        return self.select(self.fmt("{} < {}", x, lo), lo, x)
 
     def _scaled(self, scale, x):
         if isinstance(scale, Const) and scale.value == 1.0:

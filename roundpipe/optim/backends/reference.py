@@ -9,12 +9,13 @@ opinion.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from ..backend_api import Backend
-from ..spec.ir import Assign, Bin, Call, Const, Let, Scalar, Tensor
+from ..spec.ir import Assign, Bin, Call, Const, Let, Reduce, Scalar, Tensor
 from . import composed, segments
-from .torch_ops import BINARY, FUNCTIONS
+from .torch_ops import BINARY, FUNCTIONS, norm
 
 logger = logging.getLogger("roundpipe.optim")
 
@@ -34,16 +35,26 @@ def evaluate(expr, env, scalars):
 
 
 def run_program(program, scalars, tensors):
-    """Run ``program`` once on ``tensors`` (name -> real float32 tensor)."""
+    """Run ``program`` once on ``tensors`` (name -> real float32 tensor; broadcast inputs in
+    their own shapes): its reductions, by name."""
     env = dict(tensors)
+    reduced = {}
     for st in program.statements:
         result = evaluate(st.expr, env, scalars)
-        if isinstance(st, Let):
+        if isinstance(st, Reduce):
+            reduced[st.name] = norm(result, st.dim)
+        elif isinstance(st, Let):
             if isinstance(st.expr, Tensor):
                 result = result.clone()  # a let is a snapshot, not an alias
             env[st.name] = result
         elif isinstance(st, Assign):
             env[st.target].copy_(result)
+    return reduced
+
+
+def run_staged(program, scalars, tensors):
+    """A staged step's pass: ``run_program`` on each parameter in turn; their reductions."""
+    return [run_program(program, s, t) for s, t in zip(scalars, tensors, strict=True)]
 
 
 class ReferenceBackend(Backend):
@@ -57,6 +68,9 @@ class ReferenceBackend(Backend):
         """The launch of ``program`` on every parameter of ``columns`` (see ``backends``), one by
         one; partners (``masters.py``) by their defining composition."""
         return composed(self._prepare, program, scalars, columns, {} if cache is None else cache)
+
+    def prepare_staged(self, program, scalars, tensors):
+        return functools.partial(run_staged, program, scalars, tensors)
 
     def _prepare(self, program, scalars, columns, cache=None):
         names = list(columns)

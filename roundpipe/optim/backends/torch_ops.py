@@ -82,6 +82,8 @@ FUNCTIONS = {
     "maximum": lambda a, b, out=None: torch.maximum(a, b, out=out),
     "where": _where,
     "clamp": lambda x, lo, hi, out=None: torch.clamp(x, lo, hi, out=out),
+    "rsqrt": lambda x, out=None: torch.rsqrt(x, out=out),
+    "clamp_min": lambda x, lo, out=None: torch.clamp(x, min=lo, out=out),
     "add": lambda a, b, alpha, out=None: torch.add(a, b, alpha=alpha, out=out),
     "addcmul": lambda a, b, c, value, out=None: torch.addcmul(a, b, c, value=value, out=out),
     "addcdiv": lambda a, b, c, value, out=None: torch.addcdiv(a, b, c, value=value, out=out),
@@ -89,3 +91,11 @@ FUNCTIONS = {
 }
 
 COMPARISONS = (">", "<", ">=", "<=")
+
+
+def norm(x, dim):
+    """The IR's ``norm`` statement: ``torch.norm(x, dim=dim, keepdim=True)`` (the whole tensor's
+    as a 0-d tensor when ``dim`` is None, as torch's for-loops take ``x.norm(2)``)."""
+    if dim is None:
+        return x.norm(2)
+    return torch.norm(x, dim=dim, keepdim=True)

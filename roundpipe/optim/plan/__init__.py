@@ -28,13 +28,24 @@ The modules, from the floor up (docs/step-plan.md has the design and the measure
 * ``groups.py``: ``GroupPlan``, one param group's plan and its per-step gradient check;
 * ``state.py``: the state a plan reads, created, adopted into flat buffers, rolled back;
 * ``step_plan.py``: ``StepPlan`` and ``build``;
+* ``staged.py``: a step of a staged spec (Adafactor, Muon: ``spec/staged.py``), its passes
+  and the Python between them, with the same all-or-nothing contract;
 * ``launches.py``: a step on the plan (``run_step``): the units' scalars, one launch per
   program prepared by the backend before anything is written, and the replay of the last
   step's launches.
 """
 
 from .launches import run_step
+from .staged import run_staged_step
 from .state import adopt_flat_state, adopt_init_state, rollback
 from .step_plan import StepPlan, build
 
-__all__ = ["StepPlan", "adopt_flat_state", "adopt_init_state", "build", "rollback", "run_step"]
+__all__ = [
+    "StepPlan",
+    "adopt_flat_state",
+    "adopt_init_state",
+    "build",
+    "rollback",
+    "run_staged_step",
+    "run_step",
+]

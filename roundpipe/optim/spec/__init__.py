@@ -1,14 +1,17 @@
 """The algorithm spec: every optimizer's math, once. One module per optimizer.
 
-See ``ir.py`` for the statement language and ``core.py`` for what a spec holds.
+See ``ir.py`` for the statement language, ``core.py`` for what a spec holds and ``staged.py``
+for the specs whose step is several passes (Adafactor, Muon).
 """
 
 from .adadelta import ADADELTA
+from .adafactor import ADAFACTOR
 from .adagrad import ADAGRAD
 from .adam import ADAM, ADAMW
 from .adamax import ADAMAX
 from .asgd import ASGD
 from .core import OptimizerSpec
+from .muon import MUON
 from .nadam import NADAM
 from .radam import RADAM
 from .rmsprop import RMSPROP
@@ -17,4 +20,8 @@ from .sgd import SGD
 
 SPECS = {s.name: s for s in (ADADELTA, ADAGRAD, ADAM, ADAMAX, ADAMW, ASGD, NADAM, RADAM, RMSPROP, RPROP, SGD)}
 
-__all__ = ["OptimizerSpec", "SPECS"]
+# The staged specs (``staged.py``): steps that are not one elementwise pass. Muon only where
+# the installed torch has it (2.9 and later).
+STAGED_SPECS = {s.name: s for s in (ADAFACTOR, MUON) if s is not None}
+
+__all__ = ["OptimizerSpec", "SPECS", "STAGED_SPECS"]

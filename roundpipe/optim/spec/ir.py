@@ -1,12 +1,21 @@
 """The little language the optimizer specs are written in.
 
 An optimizer step is a *program*: an ordered list of elementwise statements over the
-parameter, its gradient and its state tensors. Two kinds of statement exist:
+parameter, its gradient and its state tensors. Three kinds of statement exist:
 
 * ``let``    names a temporary (``grad = grad + weight_decay * param``). torch never mutates
   ``p.grad``, so this is a temporary, not a write.
 * ``assign`` writes a tensor (a state entry or the parameter) in place. Later statements see
   the new value.
+* ``norm``   reduces an elementwise value: ``torch.norm(value, dim=dim, keepdim=True)`` over the
+  whole tensor (``dim=None``), its rows (``-1``) or its columns (``-2``), in torch's float32
+  order. A reduction ends what a program can say about it: its result is an output of the
+  program (``Program.reductions``), read by the Python between the programs of a staged step
+  (``spec/staged.py``), never by a later statement of the same program.
+
+An input may be *broadcast* (``Program.shapes``): a factor of a matrix (``rows``, shape
+``(..., m, 1)``; ``cols``, ``(..., 1, n)``; ``matrices``, ``(..., 1, 1)``) read at each element
+of the ``(..., m, n)`` parameter as torch's broadcasting reads it. Broadcast inputs are read-only.
 
 Expressions are trees of :class:`Expr` nodes. Arithmetic uses Python operators, and a few
 named functions mirror the torch ops the torch source uses (``addcmul``, ``addcdiv``,
@@ -36,6 +45,7 @@ __all__ = [
     "Call",
     "Let",
     "Assign",
+    "Reduce",
     "Program",
     "ProgramBuilder",
     "add",
@@ -44,6 +54,8 @@ __all__ = [
     "lerp",
     "maximum",
     "sqrt",
+    "rsqrt",
+    "clamp_min",
     "abs_",
     "sign",
     "where",
@@ -151,17 +163,26 @@ class Bin(Expr):
 FUNCTIONS = {
     "neg": 1,  # -x
     "sqrt": 1,  # torch.sqrt
+    "rsqrt": 1,  # torch.rsqrt: 1 / sqrt(x), each rounded (ATen's kernel, not a VML routine)
     "abs": 1,  # torch.abs
     "sign": 1,  # torch.sign: NaN -> 0
     "maximum": 2,  # torch.maximum: NaN propagates from either side
     "where": 3,  # torch.where(cond, a, b)
     "clamp": 3,  # torch.clamp(x, lo, hi), lo and hi scalars
+    "clamp_min": 2,  # torch.clamp(x, min=lo), lo a scalar
     "add": 3,  # torch.add(a, b, alpha=s) = a + s*b
     "addcmul": 4,  # torch.addcmul(a, b, c, value=s) = a + s*b*c
     "addcdiv": 4,  # torch.addcdiv(a, b, c, value=s) = a + s*b/c
     "lerp": 3,  # torch.lerp(a, b, w), w a scalar: torch's two-branch formula
 }
-SCALAR_ARGS = {"clamp": (1, 2), "add": (2,), "addcmul": (3,), "addcdiv": (3,), "lerp": (2,)}
+SCALAR_ARGS = {
+    "clamp": (1, 2),
+    "clamp_min": (1,),
+    "add": (2,),
+    "addcmul": (3,),
+    "addcdiv": (3,),
+    "lerp": (2,),
+}
 
 
 @dataclass(frozen=True, eq=True)
@@ -210,6 +231,16 @@ def sqrt(x) -> Expr:
     return Call("sqrt", (_wrap(x),))
 
 
+def rsqrt(x) -> Expr:
+    """``torch.rsqrt(x)``: ``1 / sqrt(x)`` with a correctly rounded root, then the division."""
+    return Call("rsqrt", (_wrap(x),))
+
+
+def clamp_min(x, lo) -> Expr:
+    """``torch.clamp(x, min=lo)`` with a scalar bound; NaN propagates."""
+    return Call("clamp_min", (_wrap(x), _wrap(lo)))
+
+
 def abs_(x) -> Expr:
     return Call("abs", (_wrap(x),))
 
@@ -240,7 +271,20 @@ class Assign:
     expr: Expr
 
 
-Statement = Let | Assign
+REDUCE_DIMS = (None, -1, -2)
+BROADCAST_KINDS = ("rows", "cols", "matrices")
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """``name = torch.norm(expr, dim=dim, keepdim=True)`` (``dim`` one of ``REDUCE_DIMS``)."""
+
+    name: str
+    expr: Expr
+    dim: int | None = None
+
+
+Statement = Let | Assign | Reduce
 
 
 def walk(expr: Expr):
@@ -267,19 +311,24 @@ class Program:
     tensors: tuple
     scalars: tuple
     targets: tuple
+    reductions: tuple = ()  # the names of its ``norm`` statements, in order
+    shapes: tuple = ()  # (input, broadcast kind) of its broadcast inputs
 
     def __hash__(self):
         # computed once: programs key every compile cache, and a step looks them up (hashing
         # the statement trees each time was a sizeable part of a small step: docs/benchmarks.md)
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.statements, self.tensors, self.scalars, self.targets))
+            h = hash((self.statements, self.tensors, self.scalars, self.targets, self.shapes))
             object.__setattr__(self, "_hash", h)
         return h
 
     def __str__(self):
         lines = []
         for st in self.statements:
+            if isinstance(st, Reduce):
+                lines.append(f"red {st.name} = norm({format_expr(st.expr)}, dim={st.dim})")
+                continue
             kw = "let" if isinstance(st, Let) else "   "
             name = st.name if isinstance(st, Let) else st.target
             lines.append(f"{kw} {name} = {format_expr(st.expr)}")
@@ -314,8 +363,9 @@ class ProgramBuilder:
     the state entries the optimizer keeps. ``grad`` is read-only (torch never writes p.grad).
     """
 
-    def __init__(self, inputs):
+    def __init__(self, inputs, shapes=None):
         self.inputs = tuple(inputs)
+        self.shapes = dict(shapes or {})
         self.statements: list = []
         self.s = _ScalarNamespace()
         self._lets: dict[str, int] = {}
@@ -346,8 +396,13 @@ class ProgramBuilder:
         self.statements.append(Assign(target.name, _wrap(expr)))
         return target
 
+    def norm(self, name: str, expr, dim: int | None = None) -> str:
+        """``torch.norm(expr, dim=dim, keepdim=True)``: an output of the program, ``name``."""
+        self.statements.append(Reduce(name, _wrap(expr), dim))
+        return name
+
     def build(self) -> Program:
-        return validate(self.statements, self.inputs)
+        return validate(self.statements, self.inputs, self.shapes)
 
 
 def _check_conditions(expr, st, as_value):
@@ -362,10 +417,17 @@ def _check_conditions(expr, st, as_value):
             _check_conditions(a, st, not (expr.fn == "where" and i == 0))
 
 
-def validate(statements, inputs) -> Program:
+def validate(statements, inputs, shapes=None) -> Program:
     """Check a statement list and derive the program's interface."""
     inputs = tuple(inputs)
+    shapes = dict(shapes or {})
+    for name, kind in shapes.items():
+        if name not in inputs or kind not in BROADCAST_KINDS:
+            raise ValueError(
+                f"broadcast input {name!r}: not an input, or kind {kind!r} not in {BROADCAST_KINDS}"
+            )
     defined = set(inputs)
+    reductions: list[str] = []
     lets: set[str] = set()
     used_tensors: list[str] = []
     scalars: list[str] = []
@@ -407,12 +469,16 @@ def validate(statements, inputs) -> Program:
             elif not isinstance(node, Const):
                 raise TypeError(f"unknown node {node!r}")
         if isinstance(st, Let):
-            if st.name in defined:
+            if st.name in defined or st.name in reductions:
                 raise ValueError(f"let {st.name!r} redefines a name")
             defined.add(st.name)
             lets.add(st.name)
+        elif isinstance(st, Reduce):
+            if st.dim not in REDUCE_DIMS or st.name in defined or st.name in reductions:
+                raise ValueError(f"norm {st.name!r}: dim {st.dim!r} not in {REDUCE_DIMS}, or a name reused")
+            reductions.append(st.name)
         elif isinstance(st, Assign):
-            if st.target not in inputs or st.target == "grad":
+            if st.target not in inputs or st.target == "grad" or st.target in shapes:
                 raise ValueError(f"cannot assign to {st.target!r}: not a writable input")
             if st.target not in used_tensors:
                 used_tensors.append(st.target)
@@ -421,4 +487,7 @@ def validate(statements, inputs) -> Program:
         else:
             raise TypeError(f"unknown statement {st!r}")
     order = [n for n in inputs if n in used_tensors]
-    return Program(tuple(statements), tuple(order), tuple(scalars), tuple(targets))
+    used_shapes = tuple((n, shapes[n]) for n in order if n in shapes)
+    return Program(
+        tuple(statements), tuple(order), tuple(scalars), tuple(targets), tuple(reductions), used_shapes
+    )

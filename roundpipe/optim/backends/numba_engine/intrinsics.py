@@ -140,3 +140,53 @@ prefetch2 = _prefetch(2)
 # the float32 / uint16 (bfloat16, float16 bits) pointer at a tensor's data_ptr()
 f32ptr = _pointer(types.float32)
 u16ptr = _pointer(types.uint16)
+
+
+def _lane_add(lanes: int):
+    """An intrinsic ``lane_add<lanes>(acc, src, count)``: for each group of ``lanes`` float32 at
+    address ``src`` in order (``count`` a multiple of ``lanes``), ``acc[l] += src[q + l]``, the
+    ``lanes`` sums at address ``acc`` kept in one vector register: each lane's additions in
+    order and rounded one by one, as torch's vectorized reductions add (numba leaves LLVM's SLP
+    vectorizer off, so the scalar form of this loop stays scalar)."""
+
+    def lane_add(typingctx, acc, src, count):
+        if not _integers(acc, src, count):
+            return None
+
+        def codegen(context, builder, signature, args):
+            acc_at, src_at, n = args
+            vec = ir.VectorType(ir.FloatType(), lanes)
+            vp = vec.as_pointer()
+            accp = builder.inttoptr(acc_at, vp)
+            srcp = builder.inttoptr(src_at, vp)
+            groups = builder.udiv(n, ir.Constant(_I64, lanes))
+            start = builder.load(accp, align=4)
+            entry = builder.block
+            loop = builder.append_basic_block("lane_add.loop")
+            body = builder.append_basic_block("lane_add.body")
+            done = builder.append_basic_block("lane_add.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            k = builder.phi(_I64)
+            total = builder.phi(vec)
+            k.add_incoming(ir.Constant(_I64, 0), entry)
+            total.add_incoming(start, entry)
+            builder.cbranch(builder.icmp_unsigned("<", k, groups), body, done)
+            builder.position_at_end(body)
+            value = builder.load(builder.gep(srcp, [k]), align=4)
+            added = builder.fadd(total, value)
+            k.add_incoming(builder.add(k, ir.Constant(_I64, 1)), body)
+            total.add_incoming(added, body)
+            builder.branch(loop)
+            builder.position_at_end(done)
+            builder.store(total, accp, align=4)
+            return context.get_dummy_value()
+
+        return types.void(acc, src, count), codegen
+
+    lane_add.__name__ = f"lane_add{lanes}"
+    return intrinsic(lane_add)
+
+
+lane_add8 = _lane_add(8)
+lane_add16 = _lane_add(16)

@@ -1,0 +1,528 @@
+"""The passes of a staged step (``spec/staged.py``: Adafactor, Muon), compiled.
+
+A pass program is either *elementwise* (it assigns; no ``norm``) or *reducing* (it has ``norm``
+statements and assigns nothing). Each becomes one kernel over every parameter of the pass:
+
+* an elementwise kernel runs ``items`` (a parameter's rows, or a piece of its one row) on every
+  thread (``prange``), the inner loop along a row, so LLVM vectorizes it;
+* a reducing kernel runs each parameter on one thread (``prange`` over parameters): torch's
+  reductions are sequential in their lanes (``probes.torch_reductions``), and a result must not
+  depend on the thread count. The whole-tensor norm accumulates ``lanes`` float32 sums over the
+  elements in order, adds them up, then the last ``numel % lanes`` squares one by one; a row norm
+  (``dim=-1``) the same along each row; a column norm (``dim=-2``) one sum per column down the
+  rows. Each sum is then rooted (correctly rounded, as ``std::sqrt``).
+
+Broadcast inputs are read at the element's row (``rows``), column (``cols``) or matrix
+(``matrices``). Every formula is ``formulas.Lowering``'s (torch's rounding); ``rsqrt`` is
+``1 / sqrt`` with a correctly rounded root, as ATen's kernel computes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import torch
+
+from ...spec.ir import Assign, Let, Reduce
+from .. import CompileCache
+from ..formulas import Lowering, lerp_variant, lerp_weights, scalar_env
+from ..numba_engine.config import GENERATOR_VERSION, JIT_OPTIONS, import_numba
+from ..numba_engine.disk_cache import load_module, warn_uncached
+
+_PACKAGE = "roundpipe.optim.backends.numba_engine"
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# an elementwise kernel's items: at least this many elements each, where a parameter has them
+ITEM_NUMEL = 1 << 16
+
+
+class _Dialect(Lowering):
+    """Formulas as numba source over the element's locals (``names``)."""
+
+    def __init__(self, program, variant, fused):
+        super().__init__(program, variant, fused)
+        self.names: dict = {}
+        self.uses_fma = False
+
+    def tensor(self, name):
+        return self.names[name]
+
+    def select(self, cond, a, b):
+        return f"({a} if {cond} else {b})"
+
+    def either(self, x, y):
+        return f"(({x}) or ({y}))"
+
+    def sqrt(self, x):
+        raise NotImplementedError("torch.sqrt (MKL's routine) in a staged pass")
+
+    def correct_sqrt(self, x):
+        return f"np.sqrt({x})"
+
+    def fma(self, a, b, c):
+        self.uses_fma = True
+        return f"fma({a}, {b}, {c})"
+
+
+def _element_code(program, dialect, dtypes, index, loads):
+    """Lines computing one element: loads (``loads``: tensor -> index expression), then the
+    statements; ``(lines, stores, reduced)``, ``reduced`` mapping each norm to its value."""
+    lines, stores, reduced = [], [], {}
+    for t in program.tensors:
+        var = f"x_{t}"
+        element = f"v_{t}[{loads.get(t, index)}]"
+        dtype = dtypes[t]
+        lines.append(f"{var} = widen_{dtype}({element})" if dtype != "float32" else f"{var} = {element}")
+        dialect.names[t] = var
+    for n, st in enumerate(program.statements):
+        code = dialect(st.expr)
+        if isinstance(st, Let):
+            var = f"l{n}_{st.name}"
+            dialect.names[st.name] = var
+        elif isinstance(st, Assign):
+            var = f"a{n}_{st.target}"
+            dialect.names[st.target] = var
+        else:
+            var = f"r{n}_{st.name}"
+            reduced[st.name] = var
+        lines.append(f"{var} = {code}")
+    for t in program.targets:
+        dtype = dtypes[t]
+        value = dialect.names[t]
+        stores.append(
+            f"v_{t}[{loads.get(t, index)}] = " + (f"narrow_{dtype}({value})" if dtype != "float32" else value)
+        )
+    return lines, stores, reduced
+
+
+def _indent(lines, depth):
+    return ["    " * depth + line for line in lines]
+
+
+def _views(program, shapes, dtypes):
+    """Each tensor as a raw pointer: indexing one has no negative-index wraparound, which would
+    keep LLVM from vectorizing the loops."""
+    lines = []
+    for k, t in enumerate(program.tensors):
+        ptr = "f32ptr" if dtypes[t] == "float32" else "u16ptr"
+        lines.append(f"v_{t} = {ptr}(addresses[{k}, p])")
+    return lines
+
+
+def _loads(shapes):
+    where = {"rows": "r", "cols": "b * n + j", "matrices": "b"}
+    return {t: where[kind] for t, kind in shapes.items()}
+
+
+def _setup(names):
+    return [
+        "nb = dims[p, 0]",
+        "m = dims[p, 1]",
+        "n = dims[p, 2]",
+        "rows = nb * m",
+        *(f"{name} = scalar_rows[p, {k}]" for k, name in enumerate(names)),
+    ]
+
+
+def generate(program, variant, fused, dtypes, lanes=8, order=(False, True)):
+    """``(source, row names, constants)`` of ``program``'s kernel, ``kernel(...)``."""
+    dialect = _Dialect(program, variant, fused)
+    shapes = dict(program.shapes)
+    loads = _loads(shapes)
+    body, stores, reduced = _element_code(program, dialect, dtypes, "i", loads)
+    names = (*sorted(dialect.scalars), *sorted(dialect.consts))
+    views = _views(program, shapes, dtypes)
+    if program.reductions:
+        if program.targets:
+            raise ValueError("a staged pass either assigns or reduces")
+        kernel = _reducing(program, body, reduced, lanes, order, names, views)
+    else:
+        kernel = _elementwise(body, stores, names, views)
+    low = sorted({d for d in dtypes.values() if d != "float32"})
+    conversions = [f"{w}_{d}" for d in low for w in ("widen", "narrow")]
+    lines = [
+        f"# Generated by {_PACKAGE}.staged (do not edit), generator version {GENERATOR_VERSION}:",
+        *(f"#   {line}" for line in str(program).splitlines()),
+        f"# lerp variant {tuple(variant)!r}, fused {sorted(dialect.fused)!r}, lanes {lanes}, "
+        f"(column fma, tail fma) {order}, dtypes {sorted(dtypes.items())!r}",
+        "import numpy as np",
+        "from numba import prange",
+        f"from {_PACKAGE}.intrinsics import f32ptr, u16ptr, fma, lane_add8, lane_add16, wide_vectors",
+        *([f"from {_PACKAGE}.conversions import {', '.join(conversions)}"] if conversions else []),
+        "",
+        "",
+        *kernel,
+    ]
+    consts = tuple(np.float32(dialect.consts[c]) for c in sorted(dialect.consts))
+    return "\n".join(lines) + "\n", tuple(sorted(dialect.scalars)), consts
+
+
+def _elementwise(body, stores, names, views):
+    """Items ``(p, r0, r1, j0, j1)``: rows ``[r0, r1)`` of parameter ``p``, columns ``[j0, j1)``."""
+    return [
+        "def kernel(items, addresses, dims, scalar_rows, outs):",
+        "    for it in prange(items.shape[0]):",
+        "        wide_vectors()",
+        "        p = items[it, 0]",
+        *_indent(_setup(names), 2),
+        *_indent(views, 2),
+        "        for r in range(items[it, 1], items[it, 2]):",
+        "            b = r // m",
+        "            for j in range(items[it, 3], items[it, 4]):",
+        "                i = r * n + j",
+        *_indent(body, 4),
+        *_indent(stores, 4),
+        "",
+    ]
+
+
+def _tail_step(acc, v, index, length, tail_fma):
+    """The line adding the tail element ``index`` (of ``length``) to ``acc``: torch's tail loop
+    is unrolled by four, and its last ``length % 4`` additions are fused where its kernels were
+    built with FMA (``probes``: ``tail_fma``)."""
+    if not tail_fma:
+        return [f"{acc} = {acc} + ({v} * {v})"]
+    return [
+        f"if {index} >= 4 * ({length} // 4):",
+        f"    {acc} = fma({v}, {v}, {acc})",
+        "else:",
+        f"    {acc} = {acc} + ({v} * {v})",
+    ]
+
+
+def _reducing(program, body, reduced, lanes, order, names, views):
+    """One parameter a thread; the reductions in torch's order (see the module docstring).
+
+    Where the lanes of the whole-tensor norm line up with each row's (rows a whole number of
+    lanes long, or one row), a row is taken in blocks of ``BLOCK`` elements: a loop LLVM
+    vectorizes computes each block's squares (and adds the column sums), then the lane sums
+    take them in order. Elsewhere each element in turn (small matrices: ``(33, 17)``). A norm
+    over one element is its absolute value, as torch's."""
+    col_fma, tail_fma = order
+    specs = [(st.name, st.dim) for st in program.statements if isinstance(st, Reduce)]
+    init, square, lane_sums, tail, final, generic, row_start, row_finish, row_done = ([] for _ in range(9))
+    for k, (name, dim) in enumerate(specs):
+        v = reduced[name]
+        sq = f"({v} * {v})"
+        out = f"o{k}"
+        init.append(f"{out} = f32ptr(outs[{k}, p])")
+        if dim == -2:
+            col = f"fma({v}, {v}, {out}[b * n + j])" if col_fma else f"{out}[b * n + j] + {sq}"
+            for place in (square, tail, generic):
+                place.append(f"{out}[b * n + j] = {col}")
+            final += ["for c in range(nb * n):", f"    {out}[c] = np.sqrt({out}[c])"]
+            continue
+        acc = f"acc{k}" if dim is None else f"ra{k}"
+        init += [f"{acc} = np.zeros({lanes}, np.float32)", f"sq{k} = np.empty(BLOCK, np.float32)"]
+        square.append(f"sq{k}[q] = {sq}")
+        lane_sums.append(f"lane_add{lanes}({acc}.ctypes.data, sq{k}.ctypes.data, count)")
+        combine = [f"t{k} = {acc}[0]", f"for l in range(1, {lanes}):", f"    t{k} = t{k} + {acc}[l]"]
+        if dim is None:
+            init.append(f"tl{k} = np.zeros({lanes}, np.float32)")
+            tail.append(f"tl{k}[j - cut] = {v}")
+            generic += [
+                "if i < fcut:",
+                f"    {acc}[i % {lanes}] = {acc}[i % {lanes}] + {sq}",
+                "else:",
+                f"    tl{k}[i - fcut] = {v}",
+            ]
+            final += [
+                *combine,
+                "for q in range(total - fcut):",
+                *_indent(_tail_step(f"t{k}", f"tl{k}[q]", "q", "(total - fcut)", tail_fma), 1),
+                f"{out}[0] = abs(tl{k}[0]) if total == 1 else np.sqrt(t{k})",
+            ]
+        else:
+            init += [f"rt{k} = np.float32(0.0)", f"rv{k} = np.float32(0.0)"]
+            step = _tail_step(f"rt{k}", v, "(j - cut)", "(n - cut)", tail_fma)
+            tail += [*step, f"rv{k} = {v}"]
+            generic += [
+                "if j < cut:",
+                f"    {acc}[j % {lanes}] = {acc}[j % {lanes}] + {sq}",
+                "else:",
+                *_indent(step, 1),
+                f"rv{k} = {v}",
+            ]
+            row_start += [f"for l in range({lanes}):", f"    {acc}[l] = np.float32(0.0)"]
+            row_finish += [*combine, f"rt{k} = t{k}"]
+            row_done.append(f"{out}[r] = abs(rv{k}) if n == 1 else np.sqrt(rt{k})")
+    return [
+        "BLOCK = 512",
+        "",
+        "",
+        "def kernel(items, addresses, dims, scalar_rows, outs):",
+        "    for p in prange(dims.shape[0]):",
+        "        wide_vectors()",
+        *_indent(_setup(names), 2),
+        "        total = rows * n",
+        f"        cut = n - n % {lanes}",
+        f"        fcut = total - total % {lanes}",
+        *_indent(views, 2),
+        *_indent(init, 2),
+        f"        aligned = n % {lanes} == 0 or rows == 1",
+        "        for r in range(rows):",
+        "            b = r // m",
+        *_indent(row_start, 3),
+        "            if aligned:",
+        "                for start in range(0, cut, BLOCK):",
+        "                    count = min(BLOCK, cut - start)",
+        "                    for q in range(count):",
+        "                        j = start + q",
+        "                        i = r * n + j",
+        *_indent(body, 6),
+        *_indent(square, 6),
+        *_indent(lane_sums, 5),
+        *_indent(row_finish, 4),
+        "                for j in range(cut, n):",
+        "                    i = r * n + j",
+        *_indent(body, 5),
+        *_indent(tail, 5),
+        "            else:",
+        "                for j in range(n):",
+        # a row's lanes are summed before its tail is added, as torch's loop does
+        *(["                    if j == cut:"] + _indent(row_finish, 6) if row_finish else []),
+        "                    i = r * n + j",
+        *_indent(body, 5),
+        *_indent(generic, 5),
+        *(["                if cut == n:"] + _indent(row_finish, 5) if row_finish else []),
+        *_indent(row_done, 3),
+        *_indent(final, 2),
+        "",
+    ]
+
+
+# -- compiling and launching ---------------------------------------------------------------------
+
+_kernels = CompileCache()
+
+
+def compile_pass(program, variant, fused, dtypes, lanes, order):
+    """``(dispatcher, scalar names, constants)`` for a pass; compiled once per process (and
+    kept in the disk cache, as the engine's kernels are)."""
+    key = (program, tuple(variant), frozenset(fused), tuple(sorted(dtypes.items())), lanes, order)
+    return _kernels.get(key, lambda: _compile(program, variant, fused, dtypes, lanes, order))
+
+
+def _compile(program, variant, fused, dtypes, lanes, order):
+    numba = import_numba()
+    source, names, consts = generate(program, variant, fused, dtypes, lanes, order)
+    key = f"{source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
+    name = "roundpipe_staged_" + hashlib.sha256(key.encode()).hexdigest()[:24]
+    module, on_disk = load_module(name, source)
+    try:
+        dispatcher = numba.njit(cache=on_disk, **JIT_OPTIONS)(module.kernel)
+    except RuntimeError as err:  # numba found no writable place for its cache files
+        warn_uncached(os.path.dirname(module.__file__), err)
+        dispatcher = numba.njit(cache=False, **JIT_OPTIONS)(module.kernel)
+    return dispatcher, names, consts
+
+
+def matrix_dims(t) -> tuple:
+    """``(matrices, rows, columns)`` of a parameter as a pass sees it: a tensor of two or more
+    dimensions is a batch of matrices over its last two; anything else one row."""
+    if t.dim() < 2:
+        return 1, 1, t.numel()
+    m, n = t.shape[-2], t.shape[-1]
+    nb = 1
+    for s in t.shape[:-2]:
+        nb *= s
+    return nb, m, n
+
+
+def _items(dims) -> np.ndarray:
+    """An elementwise kernel's items: ``(p, r0, r1, j0, j1)``, about ``ITEM_NUMEL`` elements."""
+    items = []
+    for p, (nb, m, n) in enumerate(dims):
+        rows = nb * m
+        if rows == 0 or n == 0:
+            continue
+        if rows == 1:
+            step = max(ITEM_NUMEL, 16)
+            items += [(p, 0, 1, j, min(n, j + step)) for j in range(0, n, step)]
+        else:
+            per = max(1, ITEM_NUMEL // n)
+            items += [(p, r, min(rows, r + per), 0, n) for r in range(0, rows, per)]
+    return np.asarray(items, dtype=np.int64).reshape(-1, 5)
+
+
+def _outputs(program, t):
+    """Each reduction's output for a parameter shaped like ``t`` (torch's keepdim shapes)."""
+    outs = []
+    for st in program.statements:
+        if not isinstance(st, Reduce):
+            continue
+        if st.dim is None:
+            outs.append(torch.empty((), dtype=torch.float32))
+        elif st.dim == -1:
+            outs.append(torch.empty((*t.shape[:-1], 1), dtype=torch.float32))
+        else:
+            outs.append(torch.zeros((*t.shape[:-2], 1, t.shape[-1]), dtype=torch.float32))
+    return outs
+
+
+def reproduced(program, dims, lanes) -> bool:
+    """Whether the kernels reproduce ``program``'s reductions on a parameter of ``dims``: the
+    column norm (``dim=-2``) of a column vector (``n == 1``) is torch's lane-wise norm of a
+    contiguous run, which the column loop does not follow (such a parameter's pass runs torch's
+    ops)."""
+    nb, m, n = dims
+    cols = any(isinstance(st, Reduce) and st.dim == -2 for st in program.statements)
+    return not cols or n != 1 or m == 1
+
+
+def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=None):
+    """The launch of a pass (``Backend.prepare_staged``) on the numba engine. Parameters whose
+    tensors it cannot read (not contiguous, dtypes that differ between parameters) or whose
+    reductions it does not reproduce (``reproduced``) run ``fallback(program, scalars, tensors)``
+    (torch's ops) in the same launch; without one, such a pass is refused (None)."""
+    numba = import_numba()
+    if not tensors:
+        return list
+    dtypes = {t: _DTYPES.get(tensors[0][t].dtype) for t in program.tensors}
+    shaped = next(t for t in program.tensors if t not in dict(program.shapes))
+    ours, others = [], []
+    for k, ts in enumerate(tensors):
+        readable = all(
+            _DTYPES.get(ts[t].dtype) == dtypes[t] and ts[t].is_contiguous() for t in program.tensors
+        )
+        ok = readable and None not in dtypes.values() and reproduced(program, matrix_dims(ts[shaped]), lanes)
+        (ours if ok else others).append(k)
+    if others and fallback is None:
+        return None
+    weights = lerp_weights(program)
+    by_variant: dict = {}
+    for k in ours:
+        by_variant.setdefault(lerp_variant(scalars[k], weights), []).append(k)
+    calls, results = [], [dict() for _ in tensors]
+    keep = []  # every tensor a launch reads by address, alive until it ran
+    for variant, members in by_variant.items():
+        dispatcher, names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
+        rows = []
+        for k in members:
+            env = scalar_env(scalars[k], weights)
+            rows.append([*(env[n] for n in names), *consts])
+        scalar_rows = np.asarray(rows, dtype=np.float32).reshape(len(members), len(names) + len(consts))
+        addresses = np.asarray(
+            [[tensors[k][t].data_ptr() for k in members] for t in program.tensors], dtype=np.int64
+        ).reshape(len(program.tensors), len(members))
+        dims = np.asarray([matrix_dims(tensors[k][shaped]) for k in members], dtype=np.int64).reshape(-1, 3)
+        outs = [_outputs(program, tensors[k][shaped]) for k in members]
+        out_ptrs = np.asarray(
+            [[o[r].data_ptr() for o in outs] for r in range(len(program.reductions))], dtype=np.int64
+        ).reshape(len(program.reductions), len(members))
+        for k, o in zip(members, outs, strict=True):
+            results[k] = dict(zip(program.reductions, o, strict=True))
+        items = _items(dims) if not program.reductions else np.zeros((0, 5), np.int64)
+        calls.append((dispatcher, items, addresses, dims, scalar_rows, out_ptrs))
+        keep.append(outs)
+    for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
+        if not dispatcher.signatures:  # compile (or load) now: a launch cannot fail later
+            dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
+    get_torch_threads = torch.get_num_threads
+    rest = [scalars[k] for k in others], [tensors[k] for k in others]
+
+    def launch():
+        torch_threads = get_torch_threads()
+        try:
+            if calls and numba.get_num_threads() != nthreads:
+                numba.set_num_threads(nthreads)
+            for dispatcher, items, addresses, dims, scalar_rows, out_ptrs in calls:
+                dispatcher(items, addresses, dims, scalar_rows, out_ptrs)
+        finally:
+            if get_torch_threads() != torch_threads:  # numba's pool sets OpenMP's count
+                torch.set_num_threads(torch_threads)
+        if others:
+            for k, reduced in zip(others, fallback(program, *rest), strict=True):
+                results[k] = reduced
+        keep.clear()
+        return results
+
+    return launch
+
+
+# -- what the passes must reproduce, measured at first use ---------------------------------------
+
+_orders: list = []
+_mixed: list = []
+
+
+def torch_reductions():
+    """``(lanes, (column fma, tail fma))`` with which the kernels reproduce this torch's ``x.norm()``,
+    ``torch.norm(x, dim=-1)`` and ``torch.norm(x, dim=-2)`` bit for bit on probe tensors
+    (shapes with and without a tail, batches, sizes that split across torch's threads), or None
+    where no form tried does (the passes then run torch's own ops)."""
+    if not _orders:
+        _orders.append(_measure_reductions())
+    return _orders[0]
+
+
+def _probe_program():
+    from ...spec.ir import ProgramBuilder
+
+    b = ProgramBuilder(["param"])
+    x = b.tensor("param")
+    b.norm("all", x)
+    b.norm("rows", x, dim=-1)
+    b.norm("cols", x, dim=-2)
+    return b.build()
+
+
+# the shapes whose reductions the kernels take (``reproduced``): tails of whole-tensor and
+# single-row norms, batches, columns of one, rows a whole number of lanes long
+_PROBE_SHAPES = (
+    (1, 5),
+    (1, 9),
+    (1, 1),
+    (2, 16),
+    (3, 1, 16),
+    (2, 8, 24),
+    (1, 4099),
+    (5000, 16),
+    (1, 13),
+    (64, 40),
+    (300, 7),
+    (40, 3),
+    (33, 17),
+    (2, 3, 11),
+    (1, 2),
+    (4, 2),
+    (2, 1, 3),
+)
+
+
+def _measure_reductions():
+    gen = torch.Generator().manual_seed(0)
+    probes = [torch.randn(s, generator=gen) * 3 for s in _PROBE_SHAPES]
+    probes.append(torch.randn(1, 1 << 20, generator=gen))  # a whole-tensor norm torch may split
+    program = _probe_program()
+    expected = [
+        (x.norm(2), torch.norm(x, dim=-1, keepdim=True), torch.norm(x, dim=-2, keepdim=True)) for x in probes
+    ]
+    for lanes in (8, 16):
+        for order in ((False, True), (False, False), (True, True), (True, False)):
+            launch = prepare(program, [{}] * len(probes), [{"param": x} for x in probes], (), lanes, order, 1)
+            if launch is None:  # a shape these kernels do not take
+                continue
+            got = launch()
+            if all(
+                torch.equal(g["all"], e[0]) and torch.equal(g["rows"], e[1]) and torch.equal(g["cols"], e[2])
+                for g, e in zip(got, expected, strict=True)
+            ):
+                return lanes, order
+    return None
+
+
+def torch_mixed_fusion():
+    """Whether torch computes ``param.add_(other, alpha=a)`` with a bfloat16 ``other`` (Muon's
+    update) as one fused multiply-add (True), two roundings (False), or neither (None)."""
+    if not _mixed:
+        gen = torch.Generator().manual_seed(1)
+        p, b = torch.randn(4099, generator=gen), torch.randn(4099, generator=gen).bfloat16()
+        alpha = -0.0123456
+        got = p.clone().add_(b, alpha=alpha).numpy()
+        a, bw, pw = (np.float64(np.float32(alpha)), b.double().numpy(), p.double().numpy())
+        fused = (a * bw + pw).astype(np.float32)
+        twice = (pw + (a * bw).astype(np.float32)).astype(np.float32)
+        _mixed.append(True if np.array_equal(got, fused) else False if np.array_equal(got, twice) else None)
+    return _mixed[0]

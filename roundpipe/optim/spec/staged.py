@@ -1,0 +1,103 @@
+"""What a *staged* spec is: a step that one elementwise pass cannot take.
+
+Adafactor reads a tensor's norms before it updates it (the update's size depends on the
+parameter's norm, its direction on row and column statistics of the gradient, its length on the
+norm of the update itself); Muon orthogonalises its momentum with torch's matmuls between two
+elementwise parts. Such a step is a sequence of *stages*, run on every parameter of the step in
+turn:
+
+:class:`Pass`
+    an elementwise program (``ir.py``) over the parameter's tensors, whose ``norm`` statements
+    are its outputs. Every pass but the last only reads (it may write the scratch tensors a
+    :class:`Between` made): nothing a user sees moves until every stage before the last has run.
+    The last pass writes the parameter and its state, as the single pass of an elementwise spec
+    does.
+:class:`Between`
+    Python between two passes, per parameter, with torch ops on small tensors (the row and
+    column statistics), torch call-outs (Muon's Newton-Schulz) and scalars in double precision,
+    written as torch writes them. It reads and extends the parameter's *context*, a dict of
+    names: the parameter's tensors, its options, its step's scalars, the reductions of the
+    passes so far and what earlier ``Between`` stages added; it never writes a tensor it did not
+    create.
+
+``commit`` (the spec's) names the state entries the step replaces with a value a ``Between``
+computed (``row_var`` with its new value), copied in after the last pass.
+
+The fields shared with :class:`~roundpipe.optim.spec.core.OptimizerSpec` mean the same; the
+differences: ``options(group, p)`` is per parameter (Adafactor factors matrices only), and
+``state_names(o)`` lists the state tensors a parameter with options ``o`` keeps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .core import Options
+from .ir import Program, ProgramBuilder
+
+__all__ = ["StagedSpec", "Pass", "Between", "program"]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """An elementwise pass; ``program``'s reductions join the context under their names."""
+
+    program: Program
+
+
+@dataclass(frozen=True)
+class Between:
+    """``fn(ctx)``: Python and torch ops between passes (see the module docstring)."""
+
+    fn: Callable
+
+
+def program(o, inputs, statements, shapes=None) -> Program:
+    """A pass's program: ``statements(o, b)`` on a builder over ``inputs``, with the gradient
+    factors of the options (``core.gradient_factors``: loss scaling and clipping)."""
+    from .core import gradient_factors
+
+    o = Options(dict(o))
+    b = ProgramBuilder(inputs, shapes)
+    gradient_factors(b, o.get("grad_factors", 0))
+    statements(o, b)
+    return b.build()
+
+
+@dataclass(frozen=True)
+class StagedSpec:
+    name: str
+    torch_class: type
+    init_state: Callable  # (group, p, state): torch's _init_group for one parameter
+    options: Callable  # (group, p) -> dict of hashable values
+    state_names: Callable  # (o) -> the state tensors a parameter keeps
+    scalars: Callable  # (group, state) -> dict, as OptimizerSpec.scalars
+    build_stages: Callable  # (o) -> tuple of Pass and Between, the last a Pass
+    check_group: Callable = lambda group: None  # raises before anything moves
+    scalar_state: tuple = ("step",)
+    commit: tuple = ()  # (state entry, context name) copied in after the last pass
+    rich_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
+    fidelity_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self):
+        for name in ("rich_kwargs", "fidelity_kwargs"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    def stages(self, options: dict) -> tuple:
+        """The stages for ``options``, built once (validated: a typo fails the tests)."""
+        key = tuple(sorted(options.items()))
+        hit = self._cache.get(key)
+        if hit is None:
+            with self._lock:
+                hit = self._cache.get(key)
+                if hit is None:
+                    hit = tuple(self.build_stages(Options(dict(options))))
+                    if not hit or not isinstance(hit[-1], Pass):
+                        raise ValueError(f"{self.name}: a staged step ends with a Pass")
+                    self._cache[key] = hit
+        return hit

@@ -30,6 +30,7 @@ from .. import CompileCache
 from ..formulas import Lowering, lerp_variant, lerp_weights, scalar_env
 from ..numba_engine.config import GENERATOR_VERSION, JIT_OPTIONS, import_numba
 from ..numba_engine.disk_cache import load_module, warn_uncached
+from ..numba_engine.kernels import keep_torch_threads
 
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -209,9 +210,10 @@ def _reducing(program, body, reduced, lanes, order, names, views):
         init.append(f"{out} = f32ptr(outs[{k}, p])")
         if dim == -2:
             col = f"fma({v}, {v}, {out}[b * n + j])" if col_fma else f"{out}[b * n + j] + {sq}"
+            # a column of one element: its absolute value, as torch's norm of one element
             for place in (square, tail, generic):
-                place.append(f"{out}[b * n + j] = {col}")
-            final += ["for c in range(nb * n):", f"    {out}[c] = np.sqrt({out}[c])"]
+                place.append(f"{out}[b * n + j] = abs({v}) if m == 1 else {col}")
+            final += ["if m != 1:", "    for c in range(nb * n):", f"        {out}[c] = np.sqrt({out}[c])"]
             continue
         acc = f"acc{k}" if dim is None else f"ra{k}"
         init += [f"{acc} = np.zeros({lanes}, np.float32)", f"sq{k} = np.empty(BLOCK, np.float32)"]
@@ -418,7 +420,8 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         keep.append(outs)
     for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
         if not dispatcher.signatures:  # compile (or load) now: a launch cannot fail later
-            dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
+            with keep_torch_threads():  # (a first parallel call starts numba's pool)
+                dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
     get_torch_threads = torch.get_num_threads
     rest = [scalars[k] for k in others], [tensors[k] for k in others]
 
@@ -494,6 +497,7 @@ _PROBE_SHAPES = (
 def _measure_reductions():
     gen = torch.Generator().manual_seed(0)
     probes = [torch.randn(s, generator=gen) * 3 for s in _PROBE_SHAPES]
+    probes += [x * 1e-20 for x in probes[:8]]  # squares that underflow: one element is |x|
     probes.append(torch.randn(1, 1 << 20, generator=gen))  # a whole-tensor norm torch may split
     program = _probe_program()
     expected = [

@@ -1,0 +1,182 @@
+"""The staged optimizers (Adafactor, Muon: ``spec/staged.py``) combined with what a user combines
+them with: fp32 masters paired with bf16/fp16 parameters, loss scaling, clipping, DTensors; and
+the numba engine's staged kernels on the shapes that take each of their paths. Bit for bit
+against torch's for-loop throughout (the conformance suite covers every option:
+``conformance/test_staged.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import roundpipe.optim as ro
+from roundpipe.optim.backends.numba_engine import staged as numba_staged
+from roundpipe.optim.spec import STAGED_SPECS
+from tests._util import assert_bits_equal
+
+BACKENDS = ["reference", "fast:numba", "fast:torch"]
+NAMES = sorted(STAGED_SPECS)
+KWARGS = {"Adafactor": dict(lr=0.05, weight_decay=0.1), "Muon": dict(lr=0.02)}
+SHAPES = {"Adafactor": [(6, 8), (3, 5), (8,), (2, 4, 16)], "Muon": [(6, 8), (9, 4)]}
+
+
+def _randn(shape, seed, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_masters_step_as_the_composition(name, backend, dtype):
+    """fp32 masters paired with 16-bit partners: the partner's gradient widened, torch's step on
+    the master, the master rounded into the partner."""
+    shapes = SHAPES[name]
+    partners = [_randn(s, i, dtype).requires_grad_() for i, s in enumerate(shapes)]
+    masters = ro.fp32_masters(partners)
+    opt = getattr(ro, name)(masters, backend=backend, **KWARGS[name])
+    ref_masters = [p.detach().float().requires_grad_() for p in partners]
+    ref = getattr(torch.optim, name)(ref_masters, **KWARGS[name])
+    for step in range(4):
+        for i, (q, m) in enumerate(zip(partners, ref_masters, strict=True)):
+            q.grad = _randn(q.shape, 100 * step + i, dtype)
+            m.grad = q.grad.float()
+        opt.step()
+        ref.step()
+        for q, p, m in zip(partners, masters, ref_masters, strict=True):
+            assert_bits_equal(p, m)
+            assert_bits_equal(q, m.to(dtype))
+    for p, m in zip(masters, ref_masters, strict=True):
+        for key, value in ref.state[m].items():
+            assert_bits_equal(opt.state[p][key], value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_grad_scaler_and_clipping_fold_into_the_step(name, backend):
+    """torch's composition: ``scaler.unscale_`` (in place), ``clip_grad_norm_``, step; with
+    roundpipe's GradScaler and clip both fold into the step's passes, bit for bit."""
+    shapes = SHAPES[name]
+    params = [_randn(s, i).requires_grad_() for i, s in enumerate(shapes)]
+    ours = [p.detach().clone().requires_grad_() for p in params]
+    opt = getattr(ro, name)(ours, backend=backend, **KWARGS[name])
+    ref = getattr(torch.optim, name)(params, **KWARGS[name])
+    scaler = ro.GradScaler("cpu", init_scale=1024.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(())), ref_scaler.scale(torch.ones(()))  # (a scaler starts at its first scale)
+    for step in range(3):
+        for i, (p, q) in enumerate(zip(params, ours, strict=True)):
+            p.grad = _randn(p.shape, 50 * step + i) * 1024.0
+            q.grad = p.grad.clone()
+        scaler.unscale_(opt)
+        ours_total = opt.clip_grad_norm_(0.5)
+        ref_scaler.unscale_(ref)
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        torch.testing.assert_close(ours_total, total, rtol=1e-6, atol=0)
+        # the numba engine's one-pass norm is torch's to rounding (tests/test_amp.py): the
+        # composition clips with the norm it returned, and the step is compared bit for bit
+        torch.nn.utils.clip_grads_with_norm_(params, 0.5, ours_total)
+        ref_scaler.step(ref)
+        scaler.step(opt)
+        ref_scaler.update()
+        scaler.update()
+        for p, q in zip(params, ours, strict=True):
+            assert_bits_equal(q, p)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_skipped_step_under_an_inf_moves_nothing(name):
+    params = [_randn(s, i).requires_grad_() for i, s in enumerate(SHAPES[name])]
+    opt = getattr(ro, name)(params, **KWARGS[name])
+    scaler = ro.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[0].grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in params]
+    scaler.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert not opt.state
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_dtensor_is_refused_before_anything_moves(name, monkeypatch):
+    """The row and column statistics of a sharded matrix span ranks: a DTensor parameter is
+    refused with a clear error, and nothing moves."""
+    from roundpipe.optim.plan import staged as plan_staged
+
+    params = [_randn(s, i).requires_grad_() for i, s in enumerate(SHAPES[name])]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = getattr(ro, name)(params, **KWARGS[name])
+    monkeypatch.setattr(plan_staged, "is_dtensor", lambda t: t is params[-1])
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="DTensor"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert not opt.state
+
+
+def test_muon_needs_a_torch_that_has_it(monkeypatch):
+    """On a torch without torch.optim.Muon (before 2.9), importing it names the torch version."""
+    monkeypatch.delattr(ro, "Muon", raising=False)
+    with pytest.raises(ImportError, match=r"torch\.optim\.Muon.*2\.9.*" + torch.__version__.split("+")[0]):
+        from roundpipe.optim import Muon  # noqa: F401
+
+
+# -- the numba engine's staged kernels ------------------------------------------------------------
+
+
+def test_the_probe_finds_torchs_reduction_order():
+    """On x86-64 torch the whole-tensor and row norms add 8 lanes, then their tail unrolled by
+    four (the last ones fused where torch's kernels have FMA); columns add down the rows."""
+    found = numba_staged.torch_reductions()
+    assert found is not None and found[0] == 8
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1,), (5,), (8,), (4099,), (1, 1), (3, 5), (300, 7), (33, 17), (64, 40), (2, 8, 24), (2, 3, 11)]
+    + [(9, 1), (1, 9)],
+)
+def test_each_kernel_path_gives_torchs_norms(shape):
+    """The aligned (blocked) path, the element-by-element path (rows not a whole number of
+    lanes), single rows, single elements, and column vectors (their column norm falls back to
+    torch's ops) against torch.norm, bit for bit, at scales where a square underflows."""
+    program = numba_staged._probe_program()
+    order = numba_staged.torch_reductions()
+    for scale in (1.0, 1e-20, 3e18):
+        x = _randn(shape, 7) * scale
+        x2 = x if x.dim() >= 2 else x.reshape(1, -1)
+        launch = numba_staged.prepare(program, [{}], [{"param": x2}], (), *order, 1, _torch_norms)
+        got = launch()[0]
+        assert_bits_equal(got["all"], x2.norm(2))
+        assert_bits_equal(got["rows"], torch.norm(x2, dim=-1, keepdim=True))
+        assert_bits_equal(got["cols"], torch.norm(x2, dim=-2, keepdim=True))
+
+
+def _torch_norms(program, scalars, tensors):
+    from roundpipe.optim.backends.reference import run_staged
+
+    return run_staged(program, scalars, tensors)
+
+
+def test_a_thread_count_changes_nothing():
+    """Reductions run one parameter a thread in a fixed order: 1 and 2 threads, the same bits."""
+    shapes = [(256, 64), (64, 256), (4096,), (3, 40, 24)]
+    grads = [[_randn(s, 10 * k + i) for i, s in enumerate(shapes)] for k in range(3)]
+    results = []
+    for threads in (1, 2):
+        params = [_randn(s, i).requires_grad_() for i, s in enumerate(shapes)]
+        opt = ro.Adafactor(params, lr=0.05)
+        before = ro.get_num_threads()
+        ro.set_num_threads(threads)
+        try:
+            for gs in grads:
+                for p, g in zip(params, gs, strict=True):
+                    p.grad = g.clone()
+                opt.step()
+        finally:
+            ro.set_num_threads(before)
+        results.append(params)
+    for a, b in zip(*results, strict=True):
+        assert_bits_equal(a, b)

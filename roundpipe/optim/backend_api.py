@@ -88,7 +88,7 @@ class Backend(ABC):
         with ``scalars[i]`` and ``tensors[i]`` (float32 tensors in their shapes, broadcast inputs
         in theirs, scratch tensors of any dtype); everything that can fail done here. The launch
         returns each parameter's reductions (``norm`` statements) by name, as torch's
-        ``torch.norm(..., keepdim=True)`` returns them."""
+        ``torch.norm(..., keepdim=True)`` returns them (a whole-tensor norm may be a float)."""
         raise TypeError(f"backend {self.name!r} cannot run the passes of a staged optimizer step")
 
     def gradient_sums(self, grads: Sequence[torch.Tensor], order: float) -> np.ndarray | None:

@@ -47,14 +47,14 @@ def run_staged_step(opt, backend: Backend, factors=None) -> None:
     check_overlap(name, work)
     created: list = []
     try:
-        entries = []
+        entries, memo = [], {}
         for gi, group, indices, params, pairs in work:
             spec.check_group(group)
             states = create_state(spec, group, params, opt.state, created)[0]
             for k, (pi, p, st) in enumerate(zip(indices, params, states, strict=True)):
                 partner = pairs[0][k] if pairs is not None else None
                 from_partner = pairs is not None and pairs[1][k]
-                entries.append(_entry(spec, name, gi, group, pi, p, st, partner, from_partner, factors))
+                entries.append(_entry(spec, name, gi, group, pi, p, st, partner, from_partner, factors, memo))
         finals = _run_stages(backend, entries)
         launches = [backend.prepare_staged(program, *_columns(program, ctxs)) for program, ctxs in finals]
     except BaseException:
@@ -85,21 +85,28 @@ class _Entry:
         self.scratch, self.stages, self.ctx = scratch, stages, ctx
 
 
-def _entry(spec, name, gi, group, pi, p, st, partner, from_partner, factors):
-    where = where_of(name, gi, pi, p)
-    if is_dtensor(p):
-        raise ValueError(
-            f"{where}: a DTensor; roundpipe.optim.{name} steps whole tensors (its statistics of "
-            "a matrix span every shard, which each rank alone does not see): gather the "
-            "parameter, or use torch.optim's on the full tensor"
-        )
-    o = dict(spec.options(group, p))
-    for n in spec.scalar_state:
-        problem = scalar_state_problem(st.get(n), f": optimizer state {n!r}")
-        if problem is not None:
-            raise_problem(problem, where)
-    for n, shape in spec.state_names(Options(o), p).items():
+_F32 = torch.float32
+_STRIDED = torch.strided
+
+
+def _plain_state(t, shape) -> bool:
+    """The common case of a state tensor, checked fast: a plain float32 CPU tensor, dense,
+    contiguous, of ``shape`` (anything else goes through ``tensor_problem`` for its message)."""
+    return (
+        type(t) is torch.Tensor
+        and t.dtype is _F32
+        and t.is_cpu
+        and t.layout is _STRIDED
+        and t.is_contiguous()
+        and t.shape == shape
+    )
+
+
+def _check_state(st, names, where):
+    for n, shape in names.items():
         t = st.get(n)
+        if _plain_state(t, shape):
+            continue
         problem = tensor_problem(t, f": optimizer state {n!r}")
         if problem is None and tuple(t.shape) != tuple(shape):
             problem = (
@@ -107,25 +114,57 @@ def _entry(spec, name, gi, group, pi, p, st, partner, from_partner, factors):
                 f": optimizer state {n!r} has shape {tuple(t.shape)}, expected {tuple(shape)}",
             )
         if problem is not None:
-            raise_problem(problem, where)
+            raise_problem(problem, where())
+
+
+def _entry(spec, name, gi, group, pi, p, st, partner, from_partner, factors, memo):
+    def where():
+        return where_of(name, gi, pi, p)
+
+    if is_dtensor(p):
+        raise ValueError(
+            f"{where()}: a DTensor; roundpipe.optim.{name} steps whole tensors (its statistics of "
+            "a matrix span every shard, which each rank alone does not see): gather the "
+            "parameter, or use torch.optim's on the full tensor"
+        )
+    o = spec.options(group, p)
+    for n in spec.scalar_state:
+        problem = scalar_state_problem(st.get(n), f": optimizer state {n!r}")
+        if problem is not None:
+            raise_problem(problem, where())
+    names = spec.state_names(Options(o), p)
+    _check_state(st, {n: torch.Size(shape) for n, shape in names.items()}, where)
     grad = partner.grad if from_partner else p.grad
     if grad.dtype in _LOW:  # a partner's gradient, as the fp32 master gradient torch would step
         grad = grad.float()
-    scratch = {n: Scratch(st[n].item(), st[n].dtype) for n in spec.scalar_state}
-    try:
-        values = spec.scalars(group, scratch)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise type(e)(
-            f"roundpipe.optim.{name}: param_groups[{gi}]: "
-            f"cannot compute this step's scalars from the group's hyperparameters: {e}"
-        ) from e
+    scratch, values = _scalars(spec, name, gi, group, st, memo)
     found = factors.for_pairing(from_partner) if factors else ()
     if found:
-        o["grad_factors"] = len(found)
+        o = {**o, "grad_factors": len(found)}
         values = {**values, **{f"grad_factor_{i}": f for i, f in enumerate(found)}}
-    ctx = {**values, "group": group, "options": Options(o), "param": p, "grad": grad}
-    ctx.update({n: st[n] for n in spec.state_names(Options(o), p)})
+    ctx = {**values, "group": group, "options": o, "param": p, "grad": grad}
+    for n in names:
+        ctx[n] = st[n]
     return _Entry(p, partner, st, scratch, spec.stages(o), ctx)
+
+
+def _scalars(spec, name, gi, group, st, memo):
+    """``(scratch, values)``: the parameter's 0-d state advanced on scratch copies and its
+    scalars; computed once per group and distinct 0-d state in a step (``memo``), as the
+    elementwise specs' units do (``scalars`` sees nothing else)."""
+    before = tuple((n, st[n].item(), st[n].dtype) for n in spec.scalar_state)
+    hit = memo.get((gi, before))
+    if hit is None:
+        scratch = {n: Scratch(v, dtype) for n, v, dtype in before}
+        try:
+            values = spec.scalars(group, scratch)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise type(e)(
+                f"roundpipe.optim.{name}: param_groups[{gi}]: "
+                f"cannot compute this step's scalars from the group's hyperparameters: {e}"
+            ) from e
+        hit = memo[(gi, before)] = (scratch, values)
+    return hit
 
 
 def _run_stages(backend, entries):

@@ -137,14 +137,14 @@ def _factors(ctx):
 
 def _alpha(ctx):
     param = ctx["param"]
-    ctx["alpha"] = max(ctx["eps2"], ctx["param_norm"].item() / (param.numel() ** 0.5)) * ctx["rho_t"]
+    ctx["alpha"] = max(ctx["eps2"], float(ctx["param_norm"]) / (param.numel() ** 0.5)) * ctx["rho_t"]
 
 
 def _step_size(ctx):
     if "alpha" not in ctx:
         _alpha(ctx)
     numel = ctx["param"].numel()
-    denom = max(1.0, ctx["update_norm"].item() / ((numel**0.5) * ctx["d"]))
+    denom = max(1.0, float(ctx["update_norm"]) / ((numel**0.5) * ctx["d"]))
     ctx["neg_step"] = -ctx["alpha"] / denom
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ...spec.ir import Assign, Let, Reduce
 from .. import CompileCache
-from ..formulas import Lowering, lerp_variant, lerp_weights, scalar_env
+from ..formulas import Lowering, lerp_variant, lerp_weights
 from ..numba_engine.config import GENERATOR_VERSION, JIT_OPTIONS, import_numba
 from ..numba_engine.disk_cache import load_module, warn_uncached
 from ..numba_engine.kernels import keep_torch_threads
@@ -348,19 +348,22 @@ def _items(dims) -> np.ndarray:
     return np.asarray(items, dtype=np.int64).reshape(-1, 5)
 
 
-def _outputs(program, t):
-    """Each reduction's output for a parameter shaped like ``t`` (torch's keepdim shapes)."""
-    outs = []
-    for st in program.statements:
-        if not isinstance(st, Reduce):
-            continue
-        if st.dim is None:
-            outs.append(torch.empty((), dtype=torch.float32))
-        elif st.dim == -1:
-            outs.append(torch.empty((*t.shape[:-1], 1), dtype=torch.float32))
-        else:
-            outs.append(torch.zeros((*t.shape[:-2], 1, t.shape[-1]), dtype=torch.float32))
-    return outs
+def _scalar_rows(names, consts, scalars) -> np.ndarray:
+    """The kernel's float32 rows of scalars (``names``: its ``s_*`` variables, a lerp weight's
+    complement ``s_<w>__m1`` as ``float32(w) - 1``), then its constants, for each parameter."""
+    base = [n[2:-4] if n.endswith("__m1") else n[2:] for n in names]
+    values = np.asarray([[s[b] for b in base] for s in scalars], dtype=np.float64).reshape(
+        len(scalars), len(base)
+    )
+    rows = values.astype(np.float32)
+    for c, n in enumerate(names):
+        if n.endswith("__m1"):
+            rows[:, c] -= np.float32(1.0)
+    if consts:
+        rows = np.concatenate(
+            [rows, np.tile(np.asarray(consts, dtype=np.float32), (len(scalars), 1))], axis=1
+        )
+    return np.ascontiguousarray(rows)
 
 
 def reproduced(program, dims, lanes) -> bool:
@@ -398,26 +401,32 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         by_variant.setdefault(lerp_variant(scalars[k], weights), []).append(k)
     calls, results = [], [dict() for _ in tensors]
     keep = []  # every tensor a launch reads by address, alive until it ran
+    wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
     for variant, members in by_variant.items():
         dispatcher, names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
-        rows = []
-        for k in members:
-            env = scalar_env(scalars[k], weights)
-            rows.append([*(env[n] for n in names), *consts])
-        scalar_rows = np.asarray(rows, dtype=np.float32).reshape(len(members), len(names) + len(consts))
+        scalar_rows = _scalar_rows(names, consts, [scalars[k] for k in members])
         addresses = np.asarray(
             [[tensors[k][t].data_ptr() for k in members] for t in program.tensors], dtype=np.int64
         ).reshape(len(program.tensors), len(members))
         dims = np.asarray([matrix_dims(tensors[k][shaped]) for k in members], dtype=np.int64).reshape(-1, 3)
-        outs = [_outputs(program, tensors[k][shaped]) for k in members]
-        out_ptrs = np.asarray(
-            [[o[r].data_ptr() for o in outs] for r in range(len(program.reductions))], dtype=np.int64
-        ).reshape(len(program.reductions), len(members))
-        for k, o in zip(members, outs, strict=True):
-            results[k] = dict(zip(program.reductions, o, strict=True))
+        out_ptrs = np.zeros((len(program.reductions), len(members)), dtype=np.int64)
+        for r, st in enumerate(st for st in program.statements if isinstance(st, Reduce)):
+            if st.dim is None:
+                buffer = np.empty(len(members), dtype=np.float32)
+                out_ptrs[r] = buffer.ctypes.data + 4 * np.arange(len(members), dtype=np.int64)
+                wholes.append((buffer, st.name, members))
+                keep.append(buffer)
+                continue
+            for c, k in enumerate(members):
+                t = tensors[k][shaped]
+                if st.dim == -1:
+                    out = torch.empty((*t.shape[:-1], 1), dtype=torch.float32)
+                else:
+                    out = torch.zeros((*t.shape[:-2], 1, t.shape[-1]), dtype=torch.float32)
+                out_ptrs[r, c] = out.data_ptr()
+                results[k][st.name] = out
         items = _items(dims) if not program.reductions else np.zeros((0, 5), np.int64)
         calls.append((dispatcher, items, addresses, dims, scalar_rows, out_ptrs))
-        keep.append(outs)
     for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
         if not dispatcher.signatures:  # compile (or load) now: a launch cannot fail later
             with keep_torch_threads():  # (a first parallel call starts numba's pool)
@@ -435,6 +444,9 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         finally:
             if get_torch_threads() != torch_threads:  # numba's pool sets OpenMP's count
                 torch.set_num_threads(torch_threads)
+        for buffer, name, members in wholes:
+            for k, value in zip(members, buffer.tolist(), strict=True):
+                results[k][name] = value
         if others:
             for k, reduced in zip(others, fallback(program, *rest), strict=True):
                 results[k] = reduced
@@ -458,6 +470,11 @@ def torch_reductions():
     if not _orders:
         _orders.append(_measure_reductions())
     return _orders[0]
+
+
+def as_tensor(norm) -> torch.Tensor:
+    """A reduction as a float32 tensor (a whole-tensor norm comes back as a float)."""
+    return norm if isinstance(norm, torch.Tensor) else torch.tensor(norm, dtype=torch.float32)
 
 
 def _probe_program():
@@ -510,7 +527,9 @@ def _measure_reductions():
                 continue
             got = launch()
             if all(
-                torch.equal(g["all"], e[0]) and torch.equal(g["rows"], e[1]) and torch.equal(g["cols"], e[2])
+                torch.equal(as_tensor(g["all"]), e[0])
+                and torch.equal(g["rows"], e[1])
+                and torch.equal(g["cols"], e[2])
                 for g, e in zip(got, expected, strict=True)
             ):
                 return lanes, order

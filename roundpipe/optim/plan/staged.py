@@ -7,21 +7,28 @@ has moved. Then the 0-d state is written, the last pass runs, the committed stat
 copied in and each master's partner rounded from it (``masters.py``).
 
 Each pass runs as one backend launch per program over every parameter that runs it
-(``Backend.prepare_staged``). The plan and replay of ``launches.py`` are not used: a staged
-step computes per-parameter values between its passes anyway.
+(``Backend.prepare_staged``). What the validation found is kept (``_StagedPlan``) and checked
+cheaply at the next step, as ``StepPlan`` is; there is no replay: a staged step computes
+per-parameter values between its passes anyway.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 
+from .. import masters
 from ..backend_api import Backend
+from ..masters import partner_of
 from ..spec.core import Options, Scratch
 from ..spec.staged import Between, Pass
 from ..tensors import is_dtensor
 from .checks import (
     check_duplicates,
     check_overlap,
+    grads_ok,
     raise_problem,
     scalar_state_problem,
     tensor_problem,
@@ -33,10 +40,119 @@ from .step_plan import stepped_params
 _LOW = (torch.bfloat16, torch.float16)
 
 
+_PLAN = "_roundpipe_staged_plan"  # the optimizer's _StagedPlan, in its __dict__
+
+
 def run_staged_step(opt, backend: Backend, factors=None) -> None:
     """One step of ``opt``, whose spec is a ``StagedSpec``, on ``backend``; ``factors``: the
     gradient factors loss scaling and clipping left for it (``amp.py``)."""
     spec = opt.spec
+    plan = opt.__dict__.get(_PLAN)
+    grads = plan.check(opt, spec) if plan is not None else None
+    created: list = []
+    try:
+        if grads is None:
+            opt.__dict__[_PLAN] = None
+            plan, created = _build(opt, spec)
+            grads = plan.check(opt, spec)
+            assert grads is not None, "a plan just built holds"
+        opt.__dict__[_PLAN] = plan
+        entries, memo = [], {}
+        for gp, group_grads in zip(plan.groups, grads, strict=True):
+            spec.check_group(gp.group)
+            for k, grad in enumerate(group_grads):
+                entries.append(_entry(spec, type(opt).__name__, gp, k, grad, factors, memo))
+        finals = _run_stages(backend, entries)
+        launches = [backend.prepare_staged(program, *_columns(program, ctxs)) for program, ctxs in finals]
+    except BaseException:
+        rollback(opt.state, created)
+        opt.__dict__[_PLAN] = None  # rebuilt (and re-validated) by the next step
+        raise
+    # Nothing has been written so far; every check has passed and every read-only stage ran.
+    _write_scalars(entries)
+    for launch in launches:
+        launch()
+    for e in entries:
+        for entry, ctx_name in spec.commit:
+            if entry in e.state:
+                e.state[entry].copy_(e.ctx[ctx_name])
+        if e.partner is not None:
+            e.partner.copy_(e.param)
+
+
+class _GroupPlan:
+    """A param group's stepped parameters, validated: their partners, state and options."""
+
+    __slots__ = (
+        "gi",
+        "group",
+        "params_list",
+        "n_params",
+        "stepped",
+        "indices",
+        "params",
+        "partners",
+        "stepped_partners",
+        "from_partner",
+        "states",
+        "state_tensors",
+        "options",
+        "names",
+        "stages",
+        "contexts",
+        "grad_shapes",
+        "grad_dtypes",
+    )
+
+    def stepped_now(self) -> list:
+        """Which of the group's parameters have a gradient now (their own or a partner's)."""
+        if self.partners is None:
+            return [p.grad is not None for p in self.params_list]
+        return [p.grad is not None or (q is not None and q.grad is not None) for p, q in self.partners]
+
+
+class _StagedPlan:
+    """What ``_build`` validated, and the cheap per-step check that it still holds (the same
+    idea as ``StepPlan``: identities and a few attribute reads; anything else rebuilds)."""
+
+    __slots__ = ("param_groups", "n_groups", "state", "n_state", "generation", "groups")
+
+    def check(self, opt, spec):
+        """This step's gradients per group, or None when the plan no longer holds."""
+        if opt.param_groups is not self.param_groups or len(opt.param_groups) != self.n_groups:
+            return None
+        if opt.state is not self.state or len(opt.state) != self.n_state:
+            return None
+        if masters.generation() != self.generation:
+            return None
+        out = []
+        state_get = opt.state.get
+        for gp, group in zip(self.groups, opt.param_groups, strict=True):
+            if group is not gp.group or group["params"] is not gp.params_list:
+                return None
+            if len(gp.params_list) != gp.n_params or gp.stepped_now() != gp.stepped:
+                return None
+            if not all(map(operator.is_, map(state_get, gp.params), gp.states)):
+                return None
+            tensors = [st.get(n) for st, names in zip(gp.states, gp.names, strict=True) for n in names]
+            if not all(map(operator.is_, tensors, gp.state_tensors)):
+                return None
+            if [spec.options(group, p) for p in gp.params] != gp.options:
+                return None
+            if gp.partners is None:
+                grads = [p.grad for p in gp.params]
+            else:
+                pairs = zip(gp.params, gp.stepped_partners, gp.from_partner, strict=True)
+                grads = [q.grad if src else p.grad for p, q, src in pairs]
+            if not grads_ok(grads, gp.grad_shapes, gp.grad_dtypes):
+                return None
+            out.append(grads)
+        return out
+
+
+def _build(opt, spec):
+    """Validate everything and create missing state: ``(plan, created)`` (``created`` as
+    ``step_plan.build``'s, rolled back here on a failure)."""
     name = type(opt).__name__
     work, seen = [], set()
     for gi, group in enumerate(opt.param_groups):
@@ -47,31 +163,65 @@ def run_staged_step(opt, backend: Backend, factors=None) -> None:
     check_overlap(name, work)
     created: list = []
     try:
-        entries, memo = [], {}
-        for gi, group, indices, params, pairs in work:
-            spec.check_group(group)
-            states = create_state(spec, group, params, opt.state, created)[0]
-            for k, (pi, p, st) in enumerate(zip(indices, params, states, strict=True)):
-                partner = pairs[0][k] if pairs is not None else None
-                from_partner = pairs is not None and pairs[1][k]
-                entries.append(_entry(spec, name, gi, group, pi, p, st, partner, from_partner, factors, memo))
-        finals = _run_stages(backend, entries)
-        launches = [backend.prepare_staged(program, *_columns(program, ctxs)) for program, ctxs in finals]
+        groups = [_group_plan(spec, name, opt.state, created, *w) for w in work]
     except BaseException:
         rollback(opt.state, created)
         raise
-    # Nothing has been written so far; every check has passed and every read-only stage ran.
-    for e in entries:
-        for n, scratch in e.scratch.items():
-            _write_scalar(e.state[n], scratch)
-    for launch in launches:
-        launch()
-    for e in entries:
-        for entry, ctx_name in spec.commit:
-            if entry in e.state:
-                e.state[entry].copy_(e.ctx[ctx_name])
-        if e.partner is not None:
-            e.partner.copy_(e.param)
+    plan = _StagedPlan()
+    plan.param_groups, plan.n_groups = opt.param_groups, len(opt.param_groups)
+    plan.state, plan.n_state = opt.state, len(opt.state)
+    plan.generation = masters.generation()
+    plan.groups = tuple(groups)
+    return plan, created
+
+
+def _group_plan(spec, name, state, created, gi, group, indices, params, pairs):
+    spec.check_group(group)
+    states = create_state(spec, group, params, state, created)[0]
+    gp = _GroupPlan()
+    gp.gi, gp.group, gp.params_list, gp.n_params = gi, group, group["params"], len(group["params"])
+    gp.indices, gp.params, gp.states = tuple(indices), tuple(params), tuple(states)
+    if pairs is None:
+        gp.partners, gp.stepped_partners, gp.from_partner = None, None, (False,) * len(params)
+    else:
+        gp.partners = tuple((p, partner_of(p)) for p in group["params"])
+        gp.stepped_partners, gp.from_partner = tuple(pairs[0]), tuple(pairs[1])
+    gp.stepped = gp.stepped_now()
+    gp.options, gp.names, tensors = [], [], []
+    for pi, p, st in zip(indices, params, states, strict=True):
+        where = functools.partial(where_of, name, gi, pi, p)
+        if is_dtensor(p):
+            raise ValueError(
+                f"{where()}: a DTensor; roundpipe.optim.{name} steps whole tensors (its statistics of "
+                "a matrix span every shard, which each rank alone does not see): gather the "
+                "parameter, or use torch.optim's on the full tensor"
+            )
+        o = spec.options(group, p)
+        for n in spec.scalar_state:
+            problem = scalar_state_problem(st.get(n), f": optimizer state {n!r}")
+            if problem is not None:
+                raise_problem(problem, where())
+        names = {n: torch.Size(shape) for n, shape in spec.state_names(Options(o), p).items()}
+        _check_state(st, names, where)
+        gp.options.append(o)
+        gp.names.append((*spec.scalar_state, *names))
+        tensors += [st[n] for n in gp.names[-1]]
+    gp.state_tensors = tuple(tensors)
+    gp.stages = [spec.stages(o) for o in gp.options]
+    # each parameter's context as far as it holds from step to step (``_entry`` adds the rest)
+    gp.contexts = [
+        {"group": group, "options": o, "param": p, **{n: st[n] for n in names}}
+        for o, p, st, names in zip(gp.options, params, states, gp.names, strict=True)
+    ]
+    grads = [
+        q.grad if src else p.grad
+        for p, q, src in zip(
+            params, gp.stepped_partners or (None,) * len(params), gp.from_partner, strict=True
+        )
+    ]
+    gp.grad_shapes = tuple(g.shape for g in grads)
+    gp.grad_dtypes = tuple(g.dtype for g in grads)
+    return gp
 
 
 class _Entry:
@@ -117,35 +267,23 @@ def _check_state(st, names, where):
             raise_problem(problem, where())
 
 
-def _entry(spec, name, gi, group, pi, p, st, partner, from_partner, factors, memo):
-    def where():
-        return where_of(name, gi, pi, p)
-
-    if is_dtensor(p):
-        raise ValueError(
-            f"{where()}: a DTensor; roundpipe.optim.{name} steps whole tensors (its statistics of "
-            "a matrix span every shard, which each rank alone does not see): gather the "
-            "parameter, or use torch.optim's on the full tensor"
-        )
-    o = spec.options(group, p)
-    for n in spec.scalar_state:
-        problem = scalar_state_problem(st.get(n), f": optimizer state {n!r}")
-        if problem is not None:
-            raise_problem(problem, where())
-    names = spec.state_names(Options(o), p)
-    _check_state(st, {n: torch.Size(shape) for n, shape in names.items()}, where)
-    grad = partner.grad if from_partner else p.grad
+def _entry(spec, name, gp, k, grad, factors, memo):
+    from_partner = gp.from_partner[k]
     if grad.dtype in _LOW:  # a partner's gradient, as the fp32 master gradient torch would step
         grad = grad.float()
-    scratch, values = _scalars(spec, name, gi, group, st, memo)
+    st = gp.states[k]
+    scratch, values = _scalars(spec, name, gp.gi, gp.group, st, memo)
+    stages = gp.stages[k]
     found = factors.for_pairing(from_partner) if factors else ()
     if found:
-        o = {**o, "grad_factors": len(found)}
+        o = {**gp.options[k], "grad_factors": len(found)}
         values = {**values, **{f"grad_factor_{i}": f for i, f in enumerate(found)}}
-    ctx = {**values, "group": group, "options": o, "param": p, "grad": grad}
-    for n in names:
-        ctx[n] = st[n]
-    return _Entry(p, partner, st, scratch, spec.stages(o), ctx)
+        stages = spec.stages(o)
+    ctx = gp.contexts[k].copy()
+    ctx.update(values)
+    ctx["grad"] = grad
+    partner = gp.stepped_partners[k] if gp.stepped_partners is not None else None
+    return _Entry(gp.params[k], partner, st, scratch, stages, ctx)
 
 
 def _scalars(spec, name, gi, group, st, memo):
@@ -200,8 +338,16 @@ def _columns(program, ctxs):
     return scalars, tensors
 
 
-def _write_scalar(t, scratch):
-    if isinstance(scratch, Scratch):
-        t.fill_(scratch.value)
-    else:
-        t.copy_(scratch)
+def _write_scalars(entries):
+    """Each parameter's 0-d state from its scratch copy: one foreach copy per new value (the
+    parameters that share a step share their scratch)."""
+    by_value: dict = {}
+    for e in entries:
+        for n, scratch in e.scratch.items():
+            by_value.setdefault(id(scratch), (scratch, []))[1].append(e.state[n])
+    for scratch, tensors in by_value.values():
+        if isinstance(scratch, Scratch):
+            value = torch.tensor(scratch.value, dtype=scratch.dtype)
+        else:
+            value = scratch
+        torch._foreach_copy_(tensors, [value] * len(tensors))

@@ -180,3 +180,53 @@ def test_a_thread_count_changes_nothing():
         results.append(params)
     for a, b in zip(*results, strict=True):
         assert_bits_equal(a, b)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_what_changes_between_steps_is_seen(name):
+    """The staged plan is checked every step: a hyperparameter that switches a statement, a
+    gradient that goes and comes back, a new param group, a state_dict loaded, a state entry
+    replaced; each step equals torch's."""
+    shapes = SHAPES[name]
+    params = [_randn(s, i).requires_grad_() for i, s in enumerate(shapes)]
+    ours = [p.detach().clone().requires_grad_() for p in params]
+    ref = getattr(torch.optim, name)(params[:-1], **KWARGS[name])
+    opt = getattr(ro, name)(ours[:-1], **KWARGS[name])
+    changes = [
+        lambda o, ps: None,
+        lambda o, ps: o.param_groups[0].update(weight_decay=0.0),
+        lambda o, ps: setattr(ps[0], "grad", None),
+        lambda o, ps: o.param_groups[0].update(weight_decay=0.2, lr=0.03),
+        lambda o, ps: o.add_param_group({"params": [ps[-1]]}),
+        lambda o, ps: o.load_state_dict(o.state_dict()),
+        lambda o, ps: o.state[ps[1]].update({k: v.clone() for k, v in o.state[ps[1]].items()}),
+        lambda o, ps: None,
+    ]
+    for step, change in enumerate(changes):
+        for i, (p, q) in enumerate(zip(params, ours, strict=True)):
+            p.grad = _randn(p.shape, 30 * step + i)
+            q.grad = p.grad.clone()
+        change(ref, params)
+        change(opt, ours)
+        ref.step()
+        opt.step()
+        for p, q in zip(params, ours, strict=True):
+            assert_bits_equal(q, p, f"step {step}")
+        for p, q in zip(params, ours, strict=True):
+            for key, value in ref.state.get(p, {}).items():
+                assert_bits_equal(opt.state[q][key], value, f"step {step}, state {key}")
+
+
+def test_a_bad_gradient_later_is_refused_before_anything_moves():
+    params = [_randn(s, i).requires_grad_() for i, s in enumerate(SHAPES["Adafactor"])]
+    opt = ro.Adafactor(params, lr=0.05)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    state = {k: v.clone() for k, v in opt.state[params[0]].items()}
+    params[0].grad = torch.ones(8, 6).t()  # (6, 8), not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert all(torch.equal(opt.state[params[0]][k], v) for k, v in state.items())

@@ -416,9 +416,12 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         items = _items(dims) if not program.reductions else np.zeros((0, 5), np.int64)
         calls.append((dispatcher, items, addresses, dims, scalar_rows, out_ptrs))
         keep.append(outs)
-    for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
-        if not dispatcher.signatures:  # compile (or load) now: a launch cannot fail later
-            dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
+    from .kernels import keep_torch_threads
+
+    with keep_torch_threads():  # a first call may start numba's pool
+        for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
+            if not dispatcher.signatures:  # compile (or load) now: a launch cannot fail later
+                dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
     get_torch_threads = torch.get_num_threads
     rest = [scalars[k] for k in others], [tensors[k] for k in others]
 
@@ -453,7 +456,10 @@ def torch_reductions():
     (shapes with and without a tail, batches, sizes that split across torch's threads), or None
     where no form tried does (the passes then run torch's own ops)."""
     if not _orders:
-        _orders.append(_measure_reductions())
+        from .kernels import keep_torch_threads
+
+        with keep_torch_threads():  # the probe's kernels start numba's pool: torch's count kept
+            _orders.append(_measure_reductions())
     return _orders[0]
 
 

@@ -1,7 +1,8 @@
 """Demo: train a small GPT-style language model with roundpipe's AdamW and torch's, side by side.
 
     python -m roundpipe.demo [--steps 30] [--threads N] [--backend fast] [--compare fast:torch,...]
-                             [--small] [--mixed float16|bfloat16 [--compute auto|16-bit|float32]]
+                             [--optimizer AdamW|Adafactor] [--small]
+                             [--mixed float16|bfloat16 [--compute auto|16-bit|float32]]
 
 Identical copies of one model (``build_model``: token and position embeddings, pre-LayerNorm
 transformer blocks with separate q/k/v/o projections, an untied output head: about 29M
@@ -29,6 +30,11 @@ how far the trained copies ended up from the for-loop copy. Copies whose steps d
 last bits drift apart during training (their gradients differ, and Adam turns tiny gradient
 differences into steps of about lr); torch fused shows the scale. Every number printed is
 measured in this run.
+
+``--optimizer Adafactor`` trains with Adafactor instead (``HYPERS``; no first moment, and a
+matrix's second moment factored into a row and a column statistic). torch has no fused
+Adafactor: its second copy is then ``torch foreach`` (``foreach=True``), and the speedups are
+over torch's foreach and for-loop.
 """
 
 from __future__ import annotations
@@ -55,12 +61,23 @@ from roundpipe.optim.bench.workloads import bits_mismatch
 SIZES = {"default": (16384, 512, 4, 8, 64, 2), "small": (512, 64, 2, 4, 16, 2)}
 SUCCESSORS = 4  # each token of the synthetic language is followed by one of this many tokens
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
-LOOP, FUSED = "torch for-loop", "torch fused"
+# --optimizer: each one's hyperparameters (Adafactor: torch's lr, with weight decay)
+HYPERS = {"AdamW": HYPER, "Adafactor": {"lr": 1e-2, "weight_decay": 0.1}}
+OPTIMIZERS = tuple(HYPERS)
+LOOP, FUSED, FOREACH = "torch for-loop", "torch fused", "torch foreach"
+# torch's fastest CPU path of each, the demo's second copy: fused where torch has a CPU kernel
+SECOND = {"AdamW": FUSED, "Adafactor": FOREACH}
 
 
-def torch_for_loop(params):
-    """torch's default AdamW for CPU tensors: the for-loop (``foreach=False``)."""
-    return torch.optim.AdamW(params, foreach=False, **HYPER)
+def torch_for_loop(params, optimizer: str = "AdamW"):
+    """torch's default for CPU tensors: the for-loop (``foreach=False``)."""
+    return getattr(torch.optim, optimizer)(params, foreach=False, **HYPERS[optimizer])
+
+
+def torch_second(optimizer: str):
+    """The demo's second copy's optimizer: torch fused (AdamW) or foreach (Adafactor)."""
+    kind = {"fused": True} if SECOND[optimizer] == FUSED else {"foreach": True}
+    return lambda ps: getattr(torch.optim, optimizer)(ps, **kind, **HYPERS[optimizer])
 
 
 class Block(nn.Module):
@@ -118,25 +135,30 @@ def build_model(size: str = "default") -> GPT:
     return GPT(vocab, d, layers, heads, context)
 
 
-def roundpipe_adamw(backend: str):
-    return lambda ps: rp_optim.AdamW(ps, backend=backend, **HYPER)
+def roundpipe_adamw(backend: str, optimizer: str = "AdamW"):
+    """roundpipe's ``optimizer`` (AdamW by default) on ``backend``, with the demo's settings."""
+    return lambda ps: getattr(rp_optim, optimizer)(ps, backend=backend, **HYPERS[optimizer])
 
 
-def optimizer_kinds(backend: str | None, compare=()) -> dict:
-    """name -> a function that makes that AdamW for some parameters, in the demo's order:
-    roundpipe's default (or ``backend``), torch fused, torch's for-loop, then each ``compare``
-    backend. A roundpipe name carries the backend actually used (``roundpipe fast``).
-    ValueError for an unknown backend, ImportError for one that cannot load here."""
+def optimizer_kinds(backend: str | None, compare=(), optimizer: str = "AdamW") -> dict:
+    """name -> a function that makes that ``optimizer`` (AdamW, or Adafactor) for some
+    parameters, in the demo's order: roundpipe's default (or ``backend``), torch fused (for
+    Adafactor, which torch has no fused kernel for: torch foreach), torch's for-loop, then each
+    ``compare`` backend. A roundpipe name carries the backend actually used (``roundpipe
+    fast``). ValueError for an unknown backend or optimizer, ImportError for a backend that
+    cannot load here."""
+    if optimizer not in HYPERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
     probe = [nn.Parameter(torch.zeros(1))]
     chosen = rp_optim.AdamW(probe, backend=backend).backend  # None: the environment, else "fast"
     kinds = {
-        f"roundpipe {chosen}": roundpipe_adamw(chosen),
-        FUSED: lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
-        LOOP: torch_for_loop,
+        f"roundpipe {chosen}": roundpipe_adamw(chosen, optimizer),
+        SECOND[optimizer]: torch_second(optimizer),
+        LOOP: lambda ps: torch_for_loop(ps, optimizer),
     }
     for b in compare:
         name = rp_optim.AdamW(probe, backend=b).backend  # an alias (native) resolved
-        kinds.setdefault(f"roundpipe {name}", roundpipe_adamw(name))
+        kinds.setdefault(f"roundpipe {name}", roundpipe_adamw(name, optimizer))
     return kinds
 
 
@@ -148,13 +170,13 @@ def engine_label(backend: str, fallbacks=()) -> str:
     return f"fast: {info['engine']} engine" + (" with fallbacks" if info["fell_back"] else "")
 
 
-def one_step_check(make, model: nn.Module, opt) -> tuple[float, bool, str | None]:
+def one_step_check(make, model: nn.Module, opt, loop=torch_for_loop) -> tuple[float, bool, str | None]:
     """From ``model``'s parameters and gradients and ``opt``'s state (the for-loop copy's), one
-    step with torch's for-loop and one with ``make``'s optimizer: (max abs difference of the
-    parameters, whether parameters and every state tensor are equal bit for bit, None or the
-    mismatch that ``torch.testing.assert_close`` reports)."""
+    step with torch's for-loop (``loop``: AdamW's by default) and one with ``make``'s optimizer:
+    (max abs difference of the parameters, whether parameters and every state tensor are equal
+    bit for bit, None or the mismatch that ``torch.testing.assert_close`` reports)."""
     stepped = []
-    for factory in (torch_for_loop, make):
+    for factory in (loop, make):
         m = copy.deepcopy(model)
         for p, q in zip(m.parameters(), model.parameters(), strict=True):
             p.grad = q.grad.clone()
@@ -211,6 +233,13 @@ def parse_args(argv=None):
     parser.add_argument(
         "--threads", type=int, help="set torch's (and so roundpipe's) and numexpr's thread counts"
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="AdamW",
+        help="the optimizer every copy trains with (default AdamW; Adafactor: against torch's "
+        "foreach and for-loop, torch having no fused Adafactor)",
+    )
     parser.add_argument("--small", action="store_true", help="a tiny model (for tests: seconds)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -230,6 +259,8 @@ def parse_args(argv=None):
         parser.error("--steps must be at least 1")
     if args.compute is not None and not args.mixed:
         parser.error("--compute applies to --mixed only")
+    if args.mixed and args.optimizer != "AdamW":
+        parser.error("--mixed trains with AdamW: drop --optimizer")
     args.compute = args.compute or "auto"
     if args.threads is not None:
         if args.threads < 1:
@@ -238,7 +269,7 @@ def parse_args(argv=None):
         numexpr.set_num_threads(args.threads)
     compare = [b.strip() for b in args.compare.split(",") if b.strip()]
     try:
-        kinds = optimizer_kinds(args.backend, compare)
+        kinds = optimizer_kinds(args.backend, compare, args.optimizer)
     except (ValueError, ImportError) as e:  # an unknown backend, or fast:numba without numba
         parser.error(str(e))
     return args, kinds
@@ -271,12 +302,14 @@ def _print_header(args, default, sizes, size):
     load = f"; load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
     chosen = default.removeprefix("roundpipe ")
     copy_note = "" if chosen == rp_backends.DEFAULT else f"; this run's first copy: backend {chosen!r}"
+    opt = getattr(args, "optimizer", "AdamW")
+    hyper = ", ".join(f"{k}={v}" for k, v in HYPERS[opt].items())
     print(
         f"GPT-style language model: vocab {vocab}, d {d}, {layers} layers, {heads} heads, context "
         f"{context}; {sum(sizes):,} parameters in {len(sizes)} tensors ({sizes[0]:,} to {sizes[-1]:,} "
         f"elements)\nsynthetic tokens (each token followed by one of {SUCCESSORS}), batch {batch} x "
-        f"{context}; {args.steps} steps of AdamW(lr={HYPER['lr']}, betas={HYPER['betas']}, "
-        f"weight_decay={HYPER['weight_decay']}) per copy\nthreads: torch {torch.get_num_threads()}, "
+        f"{context}; {args.steps} steps of {opt}({hyper}) per copy\n"
+        f"threads: torch {torch.get_num_threads()}, "
         f"roundpipe {rp_optim.get_num_threads()}, numexpr {numexpr.get_num_threads()}{load}\n"
         f"roundpipe's default backend: {fast_engine()['text']}{copy_note}"
     )
@@ -315,7 +348,8 @@ def train(args, runs, kinds, data, gen, batch):
         med_step = {n: statistics.median(step_s[n]) for n in names}
         med_fwd = {n: statistics.median(fwd_s[n]) for n in names}
         drift = {n: max_abs_diff(runs[n][0], loop_model) for n in names}
-        checks = {n: one_step_check(kinds[n], loop_model, loop_opt) for n in names if n != LOOP}
+        loop = kinds[LOOP]
+        checks = {n: one_step_check(kinds[n], loop_model, loop_opt, loop) for n in names if n != LOOP}
     return med_step, med_fwd, drift, checks, watch.messages
 
 
@@ -325,13 +359,17 @@ def print_report(args, names, med_step, med_fwd, drift, checks, fallbacks) -> in
     def equal_or(x: float) -> str:
         return "bitwise equal" if x == 0 else f"{x:.2e}"
 
+    opt = getattr(args, "optimizer", "AdamW")
+    second = SECOND[opt]  # torch fused, or torch foreach (Adafactor)
+    short = second.removeprefix("torch ")
+
     rows = [
         [
-            f"{n} AdamW",
+            f"{n} {opt}",
             f"{med_step[n] * 1e3:.1f}",
             f"{med_fwd[n] * 1e3:.1f}",
             f"{100 * med_step[n] / (med_step[n] + med_fwd[n]):.0f}%",
-            f"{med_step[FUSED] / med_step[n]:.2f}x",
+            f"{med_step[second] / med_step[n]:.2f}x",
             f"{med_step[LOOP] / med_step[n]:.2f}x",
             "-" if n == LOOP else equal_or(checks[n][0]),
             "-" if n == LOOP else equal_or(drift[n]),
@@ -343,7 +381,7 @@ def print_report(args, names, med_step, med_fwd, drift, checks, fallbacks) -> in
         "step ms",
         "fwd+bwd ms",
         "step share",
-        "vs fused",
+        f"vs {short}",
         "vs for-loop",
         "1-step diff",
         f"diff after {args.steps} steps",
@@ -351,7 +389,7 @@ def print_report(args, names, med_step, med_fwd, drift, checks, fallbacks) -> in
     print()
     print(table(header, rows))
     print(
-        "vs fused, vs for-loop: that step's median / this step's median; diffs: max |param - torch "
+        f"vs {short}, vs for-loop: that step's median / this step's median; diffs: max |param - torch "
         "for-loop's|, after one step from the for-loop copy's final state, and between the trained copies"
     )
     print()
@@ -359,7 +397,7 @@ def print_report(args, names, med_step, med_fwd, drift, checks, fallbacks) -> in
     for n in roundpipe:
         label = engine_label(n.removeprefix("roundpipe "), fallbacks)
         print(
-            f"speedup of roundpipe ({label}) over torch fused AdamW: {med_step[FUSED] / med_step[n]:.2f}x "
+            f"speedup of roundpipe ({label}) over {second} {opt}: {med_step[second] / med_step[n]:.2f}x "
             f"(over torch's default for-loop: {med_step[LOOP] / med_step[n]:.2f}x)"
         )
     if fallbacks:
@@ -384,7 +422,12 @@ def print_report(args, names, med_step, med_fwd, drift, checks, fallbacks) -> in
     if any(drift[n] for n in names):
         print(
             "(copies whose steps differ in the last bits drift apart in training: their gradients differ, "
-            "and Adam scales every gradient to a step of about lr; torch fused shows the scale)"
+            + (
+                "and Adam scales every gradient to a step of about lr"
+                if opt == "AdamW"
+                else "and Adafactor scales every update to about lr times the parameter's RMS"
+            )
+            + f"; {second} shows the scale)"
         )
     return status
 

@@ -51,6 +51,29 @@ def test_demo_runs(capsys):
         demo.main(["--small", "--steps", "1", "--compare", "bogus"])
 
 
+def test_demo_trains_with_adafactor(capsys):
+    """--optimizer Adafactor: roundpipe's against torch's foreach (torch has no fused Adafactor)
+    and for-loop, with the speedups and the one-step match as for AdamW."""
+    kinds = demo.optimizer_kinds(None, ["fast:torch"], "Adafactor")
+    assert list(kinds) == ["roundpipe fast", demo.FOREACH, demo.LOOP, "roundpipe fast:torch"]
+    assert demo.main(["--small", "--steps", "2", "--optimizer", "Adafactor"]) == 0
+    text = capsys.readouterr().out
+    assert "steps of Adafactor(lr=0.01, weight_decay=0.1) per copy" in text
+    assert "step | loss roundpipe fast | loss torch foreach | loss torch for-loop" in text
+    assert "roundpipe fast Adafactor" in text and "vs foreach" in text
+    label = demo.engine_label("fast")
+    assert f"speedup of roundpipe ({label}) over torch foreach Adafactor: " in text
+    assert "(over torch's default for-loop: " in text
+    if rp_backends.get("fast").exact:
+        assert (
+            "roundpipe fast: a step is bitwise equal to torch's for-loop step (parameters and state)" in text
+        )
+    with pytest.raises(SystemExit):
+        demo.main(["--small", "--steps", "1", "--optimizer", "Adafactor", "--mixed", "bfloat16"])
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        demo.optimizer_kinds(None, (), "Lion")
+
+
 @pytest.mark.parametrize("compute", ["16-bit", "float32"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_demo_mixed_precision_runs_bitwise(capsys, dtype, compute):

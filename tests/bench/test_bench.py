@@ -4,6 +4,7 @@ configurations, a few seconds each; no timings are asserted).
 It is never given ``--threads``: that would set numexpr's thread count for the tests after these.
 """
 
+import importlib
 import json
 import os
 import time
@@ -15,6 +16,8 @@ from roundpipe import demo
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim import bench
 from roundpipe.optim.bench import cli, first_use, partners, workloads
+
+traffic_module = importlib.import_module("roundpipe.optim.bench.traffic")  # bench.traffic: the function
 
 
 def _tiny(monkeypatch, shapes=((3,), (100,), (5, 7))):
@@ -330,3 +333,79 @@ def test_bench_fsdp_runs():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split(" | ")[:2] for line in done.stdout.splitlines() if line.startswith("SGD | ")]
     assert rows == [["SGD", "fast:numba"], ["SGD", "torch for-loop"]], done.stdout
+
+
+def test_staged_traffic_is_derived_from_each_pass():
+    """Adafactor on a matrix: pass 1 reads param and grad (norms), pass 2 grad (the update's
+    norm), pass 3 grad and param and writes param: 24 bytes; on a vector 32 (variance read in
+    both passes, written in the last); Muon 32 (its bfloat16 update written and read at 2)."""
+    assert traffic_module.staged_bytes("Adafactor", (64, 32))[0] == 24
+    assert traffic_module.staged_bytes("Adafactor", (2, 8, 16))[0] == 24  # factored over the last two
+    assert traffic_module.staged_bytes("Adafactor", (64,))[0] == 32
+    per, reads, writes = traffic_module.workload_bytes("Adafactor", [(30, 10), (100,)])
+    assert per == pytest.approx((24 * 300 + 32 * 100) / 400) and writes == ("3:param",)
+    assert reads == ("1:param", "1:grad", "2:grad", "3:grad", "3:param")
+    assert traffic_module.workload_bytes("Adam", [(30, 10)])[0] == 28
+    if "Muon" in bench.ALL_OPTIMIZERS:
+        nbytes, passes = traffic_module.staged_bytes("Muon", (16, 8))
+        assert nbytes == 32 and passes[0][1] == ("update",)
+
+
+def test_default_optimizers_take_adafactor_not_muon():
+    args = cli.parse_args([])
+    assert "Adafactor" in args.optimizers and "Muon" not in args.optimizers
+    assert args.optimizers[: len(workloads.SPECS)] == list(workloads.SPECS)
+    assert "Adafactor" not in cli.parse_args(["--partners"]).optimizers  # elementwise only
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--partners", "--optimizers", "Adafactor"])
+    assert workloads.tensors_for("Adafactor", [(3,), (0,), ()]) == (
+        [0, 2],
+        "empty tensors left out: torch's Adafactor divides by a tensor's element count",
+    )
+    assert workloads.tensors_for("Muon", [(3,), (4, 5), (2, 3, 4)])[0] == [1]
+    assert workloads.tensors_for("SGD", [(0,)]) == ([0], None)
+
+
+def test_bench_runs_adafactor(tmp_path, capsys, monkeypatch):
+    """Adafactor on matrices, vectors and an empty tensor (left out, as torch's step divides by
+    its element count): checked bit for bit against torch's for-loop, each parameter's own state
+    tensors (row_var and col_var, or variance), the state's bytes per element in the header."""
+    _tiny(monkeypatch, ((3,), (0,), (100,), (5, 7), (2, 4, 6)))
+    out = tmp_path / "bench.json"
+    argv = "--quick --optimizers Adafactor,AdamW --workloads small --backends fast,reference"
+    assert bench.main([*argv.split(), "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Adafactor: empty tensors left out: torch's Adafactor divides by a tensor's element" in text
+    assert "B/elem of Adafactor and Muon: each pass's own traffic" in text
+    assert "optimizer state, bytes per parameter element (state B/el: " in text
+    assert "FAILURES" not in text
+    rows = json.loads(out.read_text())["workloads"]["small"]["optimizers"]
+    row = rows["Adafactor"]
+    assert row["checks"] == {"fast": "ok", "reference": "ok"}
+    assert list(row["median_ms"]) == ["fast", "reference", "for-loop", "foreach"]  # no fused
+    assert row["numel"] == 3 + 100 + 35 + 48
+    # vectors: variance (4 bytes an element); matrices: a row and a column; a 0-d step each
+    state = 4 * (3 + 100) + 4 * (5 + 7) + 4 * (2 * 4 + 2 * 6) + 4 * 4
+    assert row["state_bytes_per_element"] == pytest.approx(state / row["numel"])
+    assert row["bytes_per_element"] == pytest.approx(round((32 * 103 + 24 * 83) / 186, 2))
+    adamw = rows["AdamW"]
+    assert adamw["state_bytes_per_element"] == pytest.approx((8 * 186 + 4 * 5) / 186)  # all five tensors
+
+
+@pytest.mark.skipif("Muon" not in bench.ALL_OPTIMIZERS, reason="torch < 2.9: no torch.optim.Muon")
+def test_bench_runs_muon_on_matrices_with_its_newton_schulz_apart(tmp_path, capsys, monkeypatch):
+    _tiny(monkeypatch, ((3,), (16, 8), (8, 24)))
+    out = tmp_path / "bench.json"
+    argv = "--quick --optimizers Muon --workloads small --backends fast"
+    assert bench.main([*argv.split(), "--repeats", "2", "--warmup", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Muon: only the 2-D tensors: Muon steps matrices: 2 of 3 tensors, 320 elements" in text
+    assert "time in torch's Newton-Schulz" in text and "FAILURES" not in text
+    row = json.loads(out.read_text())["workloads"]["small"]["optimizers"]["Muon"]
+    assert row["checks"] == {"fast": "ok"} and list(row["median_ms"]) == ["fast", "for-loop"]
+    for config in ("fast", "for-loop"):
+        assert 0 < row["callout_median_ms"][config] <= max(row["samples_ms"][config])
+        assert len(row["callout_samples_ms"][config]) == 2
+    import torch.optim._muon as muon
+
+    assert muon._zeropower_via_newtonschulz.__name__ == "_zeropower_via_newtonschulz"  # unwrapped

@@ -21,6 +21,13 @@ engine, one column each, roundpipe's first (its default, ``fast``, leftmost):
 * ``fused``     ``torch.optim.<Name>(..., fused=True)``, where torch has a CPU kernel
   (detected by trying; in torch 2.13: Adam, AdamW, SGD, Adagrad).
 
+Optimizers (``--optimizers``): the eleven elementwise ones and Adafactor by default; Muon (torch
+>= 2.9) when named: its step is mostly torch's bfloat16 Newton-Schulz, timed apart from the rest
+(``timing.CALLOUTS``), on the workload's 2-D tensors only. torch has no fused Adafactor or Muon
+and no Muon foreach (``n/a``); empty tensors are left out for Adafactor (torch's step divides by
+the element count). A staged step's bytes per element sum its passes' (``traffic.staged_bytes``);
+``state B/el`` is the optimizer state's bytes per parameter element after the timed steps.
+
 Workloads (``--workloads``, default all): ``large`` (4 x 16M fp32), ``small`` (about 2,000
 tensors of 0 to 1,024 elements), ``transformer`` (32000x512 embedding + 8 layers at d=512) and
 ``per_param``: one optimizer per parameter, each stepped once per step, as offload wrappers

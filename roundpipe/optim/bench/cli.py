@@ -35,6 +35,7 @@ from .timing import (
 )
 from .workloads import (
     ALL_OPTIMIZERS,
+    DEFAULT_OPTIMIZERS,
     FOREACH,
     FUSED,
     LOOP,
@@ -43,9 +44,12 @@ from .workloads import (
     WORKLOADS,
     check,
     check_kind,
+    has_foreach,
     has_fused,
+    is_staged,
     label,
     make_workload,
+    tensors_for,
     workload_parts,
 )
 
@@ -133,9 +137,16 @@ def run(args, busy_pids=()) -> dict:
             base_params, base_grads = make_workload(wl)
             numel = sum(p.numel() for p in base_params)
             log(f"[{wl.name}] {wl.description}: {len(base_params)} tensors, {numel:,} elements")
-            rows = []
+            rows, notes = [], {}
             for name in args.optimizers:
                 t0 = time.perf_counter()
+                keep, why = tensors_for(name, [tuple(p.shape) for p in base_params])
+                if why is not None:
+                    kept = sum(base_params[i].numel() for i in keep)
+                    notes[name] = f"{why}: {len(keep)} of {len(base_params)} tensors, {kept:,} elements"
+                    log(f"  [{wl.name}] {name}: {notes[name]}")
+                if not keep:
+                    continue
                 if partners_dtype:
                     row = partners.bench_row(
                         name,
@@ -151,7 +162,15 @@ def run(args, busy_pids=()) -> dict:
                     )
                 else:
                     row = bench_row(
-                        args.backends, name, fused[name], wl, base_params, base_grads, warmup, repeats, before
+                        args.backends,
+                        name,
+                        fused[name],
+                        wl,
+                        [base_params[i] for i in keep],
+                        [base_grads[i] for i in keep],
+                        warmup,
+                        repeats,
+                        before,
                     )
                 gc.collect()
                 show = str if partners_dtype else label
@@ -164,6 +183,7 @@ def run(args, busy_pids=()) -> dict:
                 "numel": numel,
                 "per_param": wl.per_param,
                 "rows": rows,
+                "notes": notes,
             }
             del base_params, base_grads
             gc.collect()
@@ -183,7 +203,7 @@ def run(args, busy_pids=()) -> dict:
 def bench_row(backends, name, fused, wl, base_params, base_grads, warmup, repeats, before=None):
     """The normal mode's row: roundpipe's backends and torch's paths timed (``bench_one``), then
     each backend checked against torch's for-loop (``row.checks``)."""
-    torch_configs = [LOOP] if wl.per_param else [LOOP, FOREACH]
+    torch_configs = [LOOP] if wl.per_param or not has_foreach(name) else [LOOP, FOREACH]
     configs = ["rp " + b for b in backends] + torch_configs + ([FUSED] if fused else [])
     row = bench_one(
         name, configs, base_params, base_grads, warmup, repeats, wl.name, wl.per_param, before=before
@@ -282,6 +302,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.workloads is None:
         args.workloads = list(partners.WORKLOADS if args.partners else WORKLOADS)
+    if args.optimizers is None:  # --partners: the elementwise optimizers
+        args.optimizers = [n for n in DEFAULT_OPTIMIZERS if not (args.partners and is_staged(n))]
     _check_args(p, args)
     return args
 
@@ -296,8 +318,10 @@ def _parser():
     p.add_argument(
         "--optimizers",
         type=lambda s: _names(s, ALL_OPTIMIZERS, "optimizer"),
-        default=list(ALL_OPTIMIZERS),
-        help="comma-separated, e.g. Adam,SGD (default: all)",
+        default=None,
+        help=f"comma-separated from {','.join(ALL_OPTIMIZERS)}, e.g. Adam,SGD (default: all but "
+        "Muon, whose step is mostly torch's bfloat16 Newton-Schulz matmuls; with --partners: the "
+        "elementwise ones, all but Adafactor and Muon)",
     )
     p.add_argument(
         "--workloads",
@@ -382,6 +406,9 @@ def _check_args(p, args):
             p.error(f"--partners times the default backend ({rp_backends.DEFAULT}): drop --backends")
         if args.plot:
             p.error("--plot draws the normal mode's times; --partners has its own table")
+        staged = [n for n in args.optimizers if is_staged(n)]
+        if staged:
+            p.error(f"--partners times the elementwise optimizers, not {', '.join(staged)}")
     elif args.amp:
         p.error("--amp times the optimizer phase around paired masters: give --partners too")
     for b in args.backends:

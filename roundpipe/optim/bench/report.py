@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .timing import Row
-from .workloads import FOREACH, FUSED, LOOP, OPTIONS, TORCH_CONFIGS, label
+from .workloads import FOREACH, FUSED, LOOP, OPTIONS, TORCH_CONFIGS, is_staged, label
 
 
 def configs_of(backends, per_param: bool = False) -> list[str]:
@@ -47,6 +47,11 @@ def fmt_ms(v):
     return "n/a" if v is None else f"{v:.2f}" if v < 100 else f"{v:.1f}"
 
 
+def fmt_bytes(v):
+    """Bytes per element: an int as it is, else two decimals (``n/a`` for None)."""
+    return "n/a" if v is None else str(v) if v == int(v) else f"{v:.2f}"
+
+
 def _table(header, lines) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
 
@@ -80,14 +85,16 @@ def format_tables(wl: str, res: dict, backends, gbps: float) -> str:
     rows = res["rows"]
     ds = [derived(row, backends, gbps) for row in rows]
     times = [
-        [row.optimizer, str(row.bytes_per_element), fmt_ms(d["bound_ms"])]
+        [row.optimizer, fmt_bytes(row.bytes_per_element), fmt_bytes(row.state_bytes_per_element)]
+        + [fmt_ms(d["bound_ms"])]
         + [fmt_ms(row.median_ms.get(c)) for c in configs]
         for row, d in zip(rows, ds, strict=True)
     ]
     out = [
         f"workload {wl}: {res['description']}; {res['tensors']} tensors, {res['numel']:,} elements",
+        *[f"  {name}: {note}" for name, note in res.get("notes", {}).items()],
         "median ms per step" + (f" ({res['tensors']} step() calls each):" if per_param else ":"),
-        *_table(["optimizer", "B/elem", "bw-bound"] + [label(c) for c in configs], times),
+        *_table(["optimizer", "B/elem", "state B/el", "bw-bound"] + [label(c) for c in configs], times),
     ]
     sections = []
     if per_param:
@@ -115,7 +122,40 @@ def format_tables(wl: str, res: dict, backends, gbps: float) -> str:
         ]
         if lines:
             out += ["", title, *_table(["optimizer"] + [label(c) for c in columns], lines)]
+    split = _split_lines(rows, ds, configs)
+    if split:
+        title = (
+            "time in torch's Newton-Schulz (its bfloat16 matmuls, the same call in every column) and "
+            "the rest of the step (roundpipe's elementwise passes, or torch's ops); medians, ms:"
+        )
+        head = ["optimizer", "column", "step", "Newton-Schulz", "rest", "rest vs for-loop", "% bw (rest)"]
+        out += ["", title, *_table(head, split)]
     return "\n".join(out)
+
+
+def _split_lines(rows, ds, configs) -> list[list[str]]:
+    """The call-out table's lines (``timing.CALLOUTS``: Muon): per column, the step's median,
+    the median time inside torch's call-out, the median of the rest, the for-loop's rest over
+    this rest, and the bandwidth bound over the rest."""
+    lines = []
+    for row, d in zip(rows, ds, strict=True):
+        loop_rest = row.rest_ms.get(LOOP)
+        for c in configs:
+            rest = row.rest_ms.get(c)
+            if rest is None:
+                continue
+            lines.append(
+                [
+                    row.optimizer,
+                    label(c),
+                    fmt_ms(row.median_ms[c]),
+                    fmt_ms(row.callout_ms[c]),
+                    fmt_ms(rest),
+                    f"{loop_rest / rest:.2f}x" if loop_rest and rest > 0 else "n/a",
+                    f"{100 * d['bound_ms'] / rest:.0f}%" if rest > 0 else "n/a",
+                ]
+            )
+    return lines
 
 
 def header(result: dict, checked: str, legend: str) -> list[str]:
@@ -156,6 +196,7 @@ def header(result: dict, checked: str, legend: str) -> list[str]:
         f"ceiling used: {bw['ceiling_GBps']:.1f} GB/s",
         legend,
     ]
+    out += state_lines(result)
     chosen = {n: o for n, o in meta.get("options", {}).items() if o}
     if chosen:
         out.append(
@@ -171,12 +212,48 @@ def header(result: dict, checked: str, legend: str) -> list[str]:
     return out
 
 
+def state_lines(result: dict) -> list[str]:
+    """The header's line on optimizer state: per optimizer, the bytes of its state tensors after
+    the timed steps over the workload's parameter elements, once if every workload gives the
+    same, else per workload."""
+    by_name: dict = {}
+    for wl, res in result["workloads"].items():
+        for row in res["rows"]:
+            if row.state_bytes_per_element is not None:
+                by_name.setdefault(row.optimizer, {})[wl] = row.state_bytes_per_element
+    if not by_name:
+        return []
+    parts = []
+    for name, per_wl in by_name.items():
+        values = {f"{v:.2f}".rstrip("0").rstrip(".") for v in per_wl.values()}
+        if len(values) == 1:
+            parts.append(f"{name} {values.pop()}")
+        else:
+            each = ", ".join(f"{f'{v:.3f}'.rstrip('0').rstrip('.')} {wl}" for wl, v in per_wl.items())
+            parts.append(f"{name} {each}")
+    return [
+        "optimizer state, bytes per parameter element (state B/el: every state tensor's bytes after "
+        "the timed steps / the parameters' elements): " + "; ".join(parts)
+    ]
+
+
+STAGED_LEGEND = (
+    "B/elem of Adafactor and Muon: each pass's own traffic summed over its passes (Adafactor on a "
+    "matrix: param+grad for the norms, grad for the update's norm, grad+param read and param "
+    "written: 24; on a vector 32; Muon 32 with its bfloat16 update at 2 bytes), weighted by the "
+    "workload's elements; Adafactor's row and column statistics and Muon's Newton-Schulz matmuls "
+    "are not counted"
+)
+
+
 def report(result: dict, backends) -> str:
     gbps = result["bandwidth"]["ceiling_GBps"]
     legend = (
         "B/elem: bytes a step must read and write per element (from its spec program); "
         "bw-bound: B/elem x elements / bandwidth ceiling, in ms"
     )
+    if any(is_staged(n) for n in result["meta"]["optimizers"]):
+        legend += "\n" + STAGED_LEGEND
     out = header(result, check_line(result["meta"]["check_kind"]), legend)
     for wl, res in result["workloads"].items():
         out += ["", format_tables(wl, res, backends, gbps)]
@@ -244,6 +321,16 @@ def row_json(row: Row, name=label) -> dict:
         "samples_ms": {name(c): v for c, v in row.samples_ms.items()},
         "errors": {name(c): v for c, v in row.errors.items()},
         "checks": {b: (m or "ok") for b, m in row.checks.items()},
+        "state_bytes_per_element": row.state_bytes_per_element,
+        **(
+            {
+                "callout_median_ms": {name(c): v for c, v in row.callout_ms.items()},
+                "rest_median_ms": {name(c): v for c, v in row.rest_ms.items()},
+                "callout_samples_ms": {name(c): v for c, v in row.callout_samples_ms.items()},
+            }
+            if row.callout_ms
+            else {}
+        ),
     }
 
 

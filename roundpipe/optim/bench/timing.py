@@ -3,6 +3,7 @@ workers and the thread settings."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import numexpr
 import torch
 
-from .traffic import bytes_per_element
+from .traffic import workload_bytes
 from .workloads import clone_params, make_optimizer
 
 
@@ -52,7 +53,7 @@ def thread_pools() -> list[str]:
 @dataclass
 class Row:
     optimizer: str
-    bytes_per_element: int
+    bytes_per_element: float  # an int for an elementwise optimizer; a staged one: a weighted mean
     reads: tuple  # the tensors a step must read, and write (``traffic``)
     writes: tuple
     numel: int
@@ -64,6 +65,51 @@ class Row:
     errors: dict = field(default_factory=dict)  # config -> message
     checks: dict = field(default_factory=dict)  # backend -> None or message
     norm_vs_torch: float | None = None  # --amp: the clip norm's relative difference from torch's
+    state_bytes_per_element: float | None = None  # optimizer state bytes / parameter elements
+    callout_ms: dict = field(default_factory=dict)  # config -> median ms inside torch's call-out
+    callout_samples_ms: dict = field(default_factory=dict)
+    rest_ms: dict = field(default_factory=dict)  # config -> median ms of the step outside it
+
+
+def state_bytes(state) -> int:
+    """The bytes of every tensor in an optimizer's ``state`` (0-d ``step`` tensors included)."""
+    return sum(
+        v.numel() * v.element_size()
+        for per_param in state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+# torch's call-outs a step makes whose time the bench reports apart from the rest: Muon's
+# Newton-Schulz orthogonalisation (its bfloat16 matmuls), the same function in torch's for-loop
+# and in roundpipe's step (``spec/muon.py`` calls it through the module, as torch does)
+CALLOUTS = {"Muon": ("torch.optim._muon", "_zeropower_via_newtonschulz")}
+
+
+class CallTimer:
+    """While entered, ``module.attr`` is wrapped to add its wall time to ``elapsed``."""
+
+    def __init__(self, module: str, attr: str):
+        import importlib
+
+        self.module, self.attr, self.elapsed = importlib.import_module(module), attr, 0.0
+
+    def __enter__(self):
+        self.real = real = getattr(self.module, self.attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.elapsed += time.perf_counter() - t0
+
+        setattr(self.module, self.attr, timed)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.attr, self.real)
 
 
 def timed_step(opt) -> float:
@@ -85,7 +131,15 @@ def bench_one(
             config, name, clone_params(base_params, base_grads), per_param=per_param
         )
     numel = sum(p.numel() for p in base_params)
-    row = Row(name, *bytes_per_element(name), numel, tensors=len(base_params), per_param=per_param)
+    nbytes = workload_bytes(name, [tuple(p.shape) for p in base_params])
+    row = Row(name, *nbytes, numel, tensors=len(base_params), per_param=per_param)
+    callout = CallTimer(*CALLOUTS[name]) if name in CALLOUTS else contextlib.nullcontext()
+    with callout:
+        _round_robin(row, name, configs, make, warmup, repeats, wl, before, callout)
+    return row
+
+
+def _round_robin(row, name, configs, make, warmup, repeats, wl, before, callout):
     live = {}
     for config in configs:
         try:
@@ -99,6 +153,8 @@ def bench_one(
         live[config] = opt
     order = list(live)
     samples = {c: [] for c in order}
+    inside = {c: [] for c in order}  # seconds in the call-out during each timed step
+    timer = callout if isinstance(callout, CallTimer) else None
     gc.collect()
     gc.disable()
     try:
@@ -107,16 +163,26 @@ def bench_one(
                 config = order[(r + k) % len(order)]
                 if before is not None:
                     before()
+                if timer is not None:
+                    timer.elapsed = 0.0
                 samples[config].append(timed_step(live[config]))
+                if timer is not None:
+                    inside[config].append(timer.elapsed)
     finally:
         gc.enable()
+    if order:  # the state a step leaves, in the first configuration (roundpipe's, if it ran)
+        row.state_bytes_per_element = state_bytes(live[order[0]].state) / max(row.numel, 1)
     live.clear()
     gc.collect()
     for config, ts in samples.items():
         row.samples_ms[config] = [t * 1e3 for t in ts]
         row.median_ms[config] = statistics.median(ts) * 1e3
         row.min_ms[config] = min(ts) * 1e3
-    return row
+        if timer is not None:
+            row.callout_samples_ms[config] = [t * 1e3 for t in inside[config]]
+            row.callout_ms[config] = statistics.median(inside[config]) * 1e3
+            rest = [a - b for a, b in zip(ts, inside[config], strict=True)]
+            row.rest_ms[config] = statistics.median(rest) * 1e3
 
 
 class ForwardBackward:

@@ -1,11 +1,14 @@
-"""The minimal memory traffic of a step, derived from the spec program it runs."""
+"""The minimal memory traffic of a step, derived from the spec program it runs (for a staged
+spec, Adafactor and Muon: from each of its passes, ``staged_bytes``)."""
 
 from __future__ import annotations
 
 import torch
 
-from roundpipe.optim.spec import SPECS
+from roundpipe.optim.spec import SPECS, STAGED_SPECS
+from roundpipe.optim.spec.core import Options
 from roundpipe.optim.spec.ir import Assign, Tensor, walk
+from roundpipe.optim.spec.staged import Pass
 
 from .workloads import OPTIONS
 
@@ -82,3 +85,58 @@ def partner_bytes(name: str, dtype: torch.dtype, amp: bool = False) -> dict[str,
         composition += 3 * ELEMENT_BYTES + (2 * ELEMENT_BYTES if scaled else 0)
         fused += low
     return {"composition": composition, "fused": fused, "torch composition": composition}
+
+
+# A staged pass's tensors are float32 but for these scratch tensors: Muon's update, rounded to
+# bfloat16 for torch's Newton-Schulz, and what that returns (``spec/muon.py``).
+NARROW_BYTES = {("Muon", "update"): 2, ("Muon", "ortho"): 2}
+
+
+def staged_bytes(name: str, shape) -> tuple[int, tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]]:
+    """Minimal bytes per element a step of staged optimizer ``name`` moves on a parameter of
+    ``shape``, and each pass's ``(read, written)``.
+
+    Each pass (``spec/staged.py``) is a sweep over the parameter's full-size tensors: its
+    ``traffic`` (a tensor used before it is assigned is read once, an assigned one written
+    once) at 4 bytes an element (2 for Muon's bfloat16 scratch, ``NARROW_BYTES``), summed over
+    the passes. Broadcast inputs (Adafactor's row and column statistics, ``Program.shapes``) are
+    left out: ``m + n`` elements against ``m * n``; so are the ``Between`` stages' torch ops
+    (on those statistics, or Muon's Newton-Schulz matmuls). An Adafactor matrix: param + grad
+    (norms), grad (the update's norm), grad + param read and param written: 24 bytes.
+    """
+    spec = STAGED_SPECS[name]
+    p = torch.nn.Parameter(torch.zeros(shape))
+    group = spec.torch_class([p], **OPTIONS[name]).param_groups[0]
+    o = spec.options(group, p)
+    passes, total = [], 0
+    for stage in spec.stages(dict(Options(o))):
+        if not isinstance(stage, Pass):
+            continue
+        program = stage.program
+        broadcast = dict(program.shapes)
+        read, written = (tuple(n for n in names if n not in broadcast) for names in traffic(program))
+        passes.append((read, written))
+        total += sum(NARROW_BYTES.get((name, n), ELEMENT_BYTES) for n in (*read, *written))
+    return total, tuple(passes)
+
+
+def workload_bytes(name: str, shapes) -> tuple[float, tuple[str, ...], tuple[str, ...]]:
+    """Minimal bytes per element a step of ``name`` moves over tensors of ``shapes``, and what
+    it reads and writes: ``bytes_per_element`` for an elementwise optimizer; for a staged one
+    ``staged_bytes`` of each tensor weighted by its elements (Adafactor's matrices and vectors
+    differ), the reads and writes those of the tensor with the most elements, pass by pass
+    (``"1:param"``: pass 1 reads param)."""
+    if name in SPECS:
+        return bytes_per_element(name)
+    total = numel = 0
+    largest, most = (), -1
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        nbytes, passes = staged_bytes(name, tuple(shape))
+        total, numel = total + nbytes * n, numel + n
+        if n > most:
+            largest, most = passes, n
+    per = total / numel if numel else 0.0
+    reads = tuple(f"{k}:{t}" for k, (r, _) in enumerate(largest, 1) for t in r)
+    writes = tuple(f"{k}:{t}" for k, (_, w) in enumerate(largest, 1) for t in w)
+    return (int(per) if per == int(per) else round(per, 2)), reads, writes

@@ -11,14 +11,52 @@ import torch
 
 from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
-from roundpipe.optim.spec import SPECS
+from roundpipe.optim.spec import SPECS, STAGED_SPECS
 
-# every optimizer, in the spec registry's order
-ALL_OPTIMIZERS = tuple(SPECS)
+# every optimizer --optimizers accepts: the elementwise ones in the spec registry's order, then
+# the staged ones (Adafactor; Muon where torch has it)
+ALL_OPTIMIZERS = (*SPECS, *STAGED_SPECS)
+# what a run times unless --optimizers says otherwise: Muon only when asked (its step is mostly
+# torch's bfloat16 Newton-Schulz matmuls, seconds a step on the transformer workload on a CPU,
+# the same in every column)
+DEFAULT_OPTIMIZERS = tuple(n for n in ALL_OPTIMIZERS if n != "Muon")
 
 # Representative settings: torch's defaults, except SGD with momentum (plain SGD is rare).
 OPTIONS = {name: {} for name in ALL_OPTIMIZERS}
 OPTIONS["SGD"] = {"momentum": 0.9}
+
+
+def spec_of(name: str):
+    """The optimizer's spec: elementwise (``SPECS``) or staged (``STAGED_SPECS``)."""
+    return SPECS[name] if name in SPECS else STAGED_SPECS[name]
+
+
+def is_staged(name: str) -> bool:
+    return name in STAGED_SPECS
+
+
+def has_foreach(name: str) -> bool:
+    """Whether torch's optimizer takes ``foreach=`` (Muon does not: its for-loop is all)."""
+    import inspect
+
+    return "foreach" in inspect.signature(spec_of(name).torch_class).parameters
+
+
+def tensors_for(name: str, shapes) -> tuple[list[int], str | None]:
+    """The indices of a workload's tensors optimizer ``name`` steps, and why others are left
+    out (None if none is): torch's Adafactor divides by a tensor's element count (an empty one
+    raises ZeroDivisionError in torch's step, and so in roundpipe's); Muon steps 2-D matrices
+    only."""
+    if name == "Adafactor":
+        keep = [i for i, s in enumerate(shapes) if all(s)]  # a 0-d shape has one element
+        why = "empty tensors left out: torch's Adafactor divides by a tensor's element count"
+    elif name == "Muon":
+        keep = [i for i, s in enumerate(shapes) if len(s) == 2]
+        why = "only the 2-D tensors: Muon steps matrices"
+    else:
+        return list(range(len(shapes))), None
+    return keep, (why if len(keep) < len(shapes) else None)
+
 
 WORKLOADS = ("large", "small", "transformer", "per_param")
 PER_PARAM_PARTS = ("per_param_small", "per_param_large")  # what ``per_param`` runs
@@ -108,7 +146,7 @@ def has_fused(name: str) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            SPECS[name].torch_class([p], fused=True, **OPTIONS[name]).step()
+            spec_of(name).torch_class([p], fused=True, **OPTIONS[name]).step()
     except Exception:
         return False
     return True
@@ -140,8 +178,10 @@ def make_optimizer(config: str, name: str, params, per_param: bool = False):
     if per_param:
         return PerParam(lambda ps: make_optimizer(config, name, ps), params)
     kwargs = OPTIONS[name]
-    torch_class = SPECS[name].torch_class
+    torch_class = spec_of(name).torch_class
     if config == LOOP:
+        if not has_foreach(name):  # torch's for-loop is its only path (Muon)
+            return torch_class(params, **kwargs)
         return torch_class(params, foreach=False, **kwargs)
     if config == FOREACH:
         return torch_class(params, foreach=True, **kwargs)
@@ -214,14 +254,19 @@ def check(name: str, backend: str, base_params, base_grads, steps: int = 2, per_
 
 def state_mismatch(state, params, ref_state, ref_params, bitwise=True, what="param", extra=()):
     """None if ``params`` (named ``what``), each ``(what, got, expected)`` entry of ``extra`` and
-    every state tensor (``state[p][key]`` for the tensor keys of ``ref_state[ref_params[0]]``)
+    every state tensor (``state[p][key]`` for each tensor key of ``ref_state[ref_p]``)
     equal the reference's, bit for bit or close (``bitwise``); else an ``AssertionError: ...``
     message that says where they first differ."""
     pairs = [(what, list(params), list(ref_params)), *extra]
-    for key, v in ref_state[ref_params[0]].items():
-        if isinstance(v, torch.Tensor):
-            got = [state.get(b, {}).get(key) for b in params]
-            pairs.append((f"state {key!r}", got, [ref_state[a][key] for a in ref_params]))
+    # each parameter's own state tensors (Adafactor keeps row_var and col_var for a matrix,
+    # variance for a vector): the keys in order of first appearance, compared where torch has them
+    keys: dict = {}
+    for a in ref_params:
+        keys.update((k, None) for k, v in ref_state[a].items() if isinstance(v, torch.Tensor))
+    for key in keys:
+        which = [i for i, a in enumerate(ref_params) if isinstance(ref_state[a].get(key), torch.Tensor)]
+        got = [state.get(params[i], {}).get(key) for i in which]
+        pairs.append((f"state {key!r}", got, [ref_state[ref_params[i]][key] for i in which]))
     # all tensors of an entry at once, then one by one to say where
     for what, got, expected in pairs:
         missing = [i for i, t in enumerate(got) if not isinstance(t, torch.Tensor)]

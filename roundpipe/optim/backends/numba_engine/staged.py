@@ -468,7 +468,8 @@ def torch_reductions():
     (shapes with and without a tail, batches, sizes that split across torch's threads), or None
     where no form tried does (the passes then run torch's own ops)."""
     if not _orders:
-        _orders.append(_measure_reductions())
+        with keep_torch_threads():  # the probe's kernels start numba's pool: torch's count kept
+            _orders.append(_measure_reductions())
     return _orders[0]
 
 

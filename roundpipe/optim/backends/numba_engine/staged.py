@@ -28,7 +28,7 @@ import torch
 from ...spec.ir import Assign, Let, Reduce
 from .. import CompileCache
 from ..formulas import Lowering, lerp_variant, lerp_weights
-from ..numba_engine.config import GENERATOR_VERSION, JIT_OPTIONS, import_numba
+from ..numba_engine.config import GENERATOR_VERSION, JIT_OPTIONS, PARALLEL_MIN_NUMEL, import_numba
 from ..numba_engine.disk_cache import load_module, warn_uncached
 from ..numba_engine.kernels import keep_torch_threads
 
@@ -155,6 +155,12 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True)):
         "",
         *kernel,
     ]
+    # the same loop with range: a launch too small to share out runs without waking numba's pool
+    serial = [
+        line.replace("def kernel(", "def kernel_serial(").replace(" in prange(", " in range(")
+        for line in kernel
+    ]
+    lines += ["", *serial]
     consts = tuple(np.float32(dialect.consts[c]) for c in sorted(dialect.consts))
     return "\n".join(lines) + "\n", tuple(sorted(dialect.scalars)), consts
 
@@ -297,6 +303,8 @@ def _reducing(program, body, reduced, lanes, order, names, views):
 # -- compiling and launching ---------------------------------------------------------------------
 
 _kernels = CompileCache()
+_compiled: set = set()  # the dispatchers called once (compiled or loaded), by identity
+_parallel: set = set()  # the parallel ones
 
 
 def compile_pass(program, variant, fused, dtypes, lanes, order):
@@ -312,12 +320,16 @@ def _compile(program, variant, fused, dtypes, lanes, order):
     key = f"{source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
     name = "roundpipe_staged_" + hashlib.sha256(key.encode()).hexdigest()[:24]
     module, on_disk = load_module(name, source)
+    serial_options = {**JIT_OPTIONS, "parallel": False}
     try:
-        dispatcher = numba.njit(cache=on_disk, **JIT_OPTIONS)(module.kernel)
+        parallel = numba.njit(cache=on_disk, **JIT_OPTIONS)(module.kernel)
+        serial = numba.njit(cache=on_disk, **serial_options)(module.kernel_serial)
     except RuntimeError as err:  # numba found no writable place for its cache files
         warn_uncached(os.path.dirname(module.__file__), err)
-        dispatcher = numba.njit(cache=False, **JIT_OPTIONS)(module.kernel)
-    return dispatcher, names, consts
+        parallel = numba.njit(cache=False, **JIT_OPTIONS)(module.kernel)
+        serial = numba.njit(cache=False, **serial_options)(module.kernel_serial)
+    _parallel.add(parallel)
+    return (parallel, serial), names, consts
 
 
 def matrix_dims(t) -> tuple:
@@ -403,7 +415,10 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     keep = []  # every tensor a launch reads by address, alive until it ran
     wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
     for variant, members in by_variant.items():
-        dispatcher, names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
+        dispatchers, names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
+        numel = sum(tensors[k][shaped].numel() for k in members)
+        share = len(members) if program.reductions else numel // PARALLEL_MIN_NUMEL
+        dispatcher = dispatchers[0] if min(nthreads, share) > 1 else dispatchers[1]
         scalar_rows = _scalar_rows(names, consts, [scalars[k] for k in members])
         addresses = np.asarray(
             [[tensors[k][t].data_ptr() for k in members] for t in program.tensors], dtype=np.int64
@@ -428,22 +443,28 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         items = _items(dims) if not program.reductions else np.zeros((0, 5), np.int64)
         calls.append((dispatcher, items, addresses, dims, scalar_rows, out_ptrs))
     for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
-        if not dispatcher.signatures:  # compile (or load) now: a launch cannot fail later
+        if dispatcher not in _compiled:  # compile (or load) now: a launch cannot fail later
             with keep_torch_threads():  # (a first parallel call starts numba's pool)
                 dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
+            _compiled.add(dispatcher)
     get_torch_threads = torch.get_num_threads
     rest = [scalars[k] for k in others], [tensors[k] for k in others]
+    parallel = any(call[0] in _parallel for call in calls)
 
     def launch():
-        torch_threads = get_torch_threads()
-        try:
-            if calls and numba.get_num_threads() != nthreads:
-                numba.set_num_threads(nthreads)
+        if parallel:
+            torch_threads = get_torch_threads()
+            try:
+                if numba.get_num_threads() != nthreads:
+                    numba.set_num_threads(nthreads)
+                for dispatcher, items, addresses, dims, scalar_rows, out_ptrs in calls:
+                    dispatcher(items, addresses, dims, scalar_rows, out_ptrs)
+            finally:
+                if get_torch_threads() != torch_threads:  # numba's pool sets OpenMP's count
+                    torch.set_num_threads(torch_threads)
+        else:
             for dispatcher, items, addresses, dims, scalar_rows, out_ptrs in calls:
                 dispatcher(items, addresses, dims, scalar_rows, out_ptrs)
-        finally:
-            if get_torch_threads() != torch_threads:  # numba's pool sets OpenMP's count
-                torch.set_num_threads(torch_threads)
         for buffer, name, members in wholes:
             for k, value in zip(members, buffer.tolist(), strict=True):
                 results[k][name] = value

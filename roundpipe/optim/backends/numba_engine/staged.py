@@ -30,6 +30,7 @@ from .. import CompileCache
 from ..formulas import Lowering, lerp_variant, lerp_weights, scalar_env
 from ..numba_engine.config import GENERATOR_VERSION, JIT_OPTIONS, import_numba
 from ..numba_engine.disk_cache import load_module, warn_uncached
+from ..numba_engine.kernels import keep_torch_threads
 
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -416,9 +417,10 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         items = _items(dims) if not program.reductions else np.zeros((0, 5), np.int64)
         calls.append((dispatcher, items, addresses, dims, scalar_rows, out_ptrs))
         keep.append(outs)
-    for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
-        if not dispatcher.signatures:  # compile (or load) now: a launch cannot fail later
-            dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
+    with keep_torch_threads():  # the first call starts numba's pool, which sets OpenMP's count
+        for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
+            if not dispatcher.signatures:  # compile (or load) now: a launch cannot fail later
+                dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
     get_torch_threads = torch.get_num_threads
     rest = [scalars[k] for k in others], [tensors[k] for k in others]
 

@@ -316,3 +316,25 @@ def test_a_step_on_another_engine_leaves_numexpr_unimported(backend):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+_STAGED_FIRST_STEP = """
+import sys, torch, roundpipe.optim as ro
+torch.set_num_threads(1)
+p = torch.nn.Parameter(torch.randn(3, 5))
+p.grad = torch.randn(3, 5)
+ro.Adafactor([p], backend="fast:numba").step()
+print(torch.get_num_threads())
+"""
+
+
+def test_first_staged_step_on_numba_keeps_torch_threads():
+    """The first staged pass compiled on the numba engine starts numba's pool, which sets
+    OpenMP's thread count (torch's intra-op count): a step must leave the caller's as it was.
+    A fresh process, where the pool has not started yet."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_OPTIM_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _STAGED_FIRST_STEP], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"

@@ -339,14 +339,18 @@ def _columns(program, ctxs):
 
 
 def _write_scalars(entries):
-    """Each parameter's 0-d state from its scratch copy: one foreach copy per new value (the
-    parameters that share a step share their scratch)."""
+    """Each parameter's 0-d state from its scratch copy: one foreach copy per new value where
+    several parameters share it (their scratch is shared), else a fill."""
     by_value: dict = {}
     for e in entries:
         for n, scratch in e.scratch.items():
             by_value.setdefault(id(scratch), (scratch, []))[1].append(e.state[n])
     for scratch, tensors in by_value.values():
         if isinstance(scratch, Scratch):
+            if len(tensors) < 4:
+                for t in tensors:
+                    t.fill_(scratch.value)
+                continue
             value = torch.tensor(scratch.value, dtype=scratch.dtype)
         else:
             value = scratch

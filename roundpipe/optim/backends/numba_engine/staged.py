@@ -360,22 +360,48 @@ def _items(dims) -> np.ndarray:
     return np.asarray(items, dtype=np.int64).reshape(-1, 5)
 
 
+_row_plans: dict = {}  # a kernel's scalar names -> (the scalars they read, the complements' columns)
+
+
 def _scalar_rows(names, consts, scalars) -> np.ndarray:
     """The kernel's float32 rows of scalars (``names``: its ``s_*`` variables, a lerp weight's
     complement ``s_<w>__m1`` as ``float32(w) - 1``), then its constants, for each parameter."""
-    base = [n[2:-4] if n.endswith("__m1") else n[2:] for n in names]
-    values = np.asarray([[s[b] for b in base] for s in scalars], dtype=np.float64).reshape(
-        len(scalars), len(base)
-    )
-    rows = values.astype(np.float32)
-    for c, n in enumerate(names):
-        if n.endswith("__m1"):
-            rows[:, c] -= np.float32(1.0)
-    if consts:
-        rows = np.concatenate(
-            [rows, np.tile(np.asarray(consts, dtype=np.float32), (len(scalars), 1))], axis=1
-        )
-    return np.ascontiguousarray(rows)
+    plan = _row_plans.get(names)
+    if plan is None:
+        base = tuple(n[2:-4] if n.endswith("__m1") else n[2:] for n in names)
+        plan = _row_plans[names] = (base, [c for c, n in enumerate(names) if n.endswith("__m1")])
+    base, complements = plan
+    # (numpy rounds each Python float to the nearest float32, as torch casts a scalar)
+    rows = np.array([[*[s[b] for b in base], *consts] for s in scalars], dtype=np.float32)
+    for c in complements:
+        rows[:, c] -= np.float32(1.0)
+    return rows.reshape(len(scalars), len(names) + len(consts))
+
+
+_layouts: dict = {}  # (program, variant, threads, addresses, shapes) -> a launch's layout
+_LAYOUTS_KEPT = 512
+
+
+def _layout(program, dispatchers, members, tensors, shaped, nthreads):
+    """``(dispatcher, items, addresses, dims)`` of a launch over ``members``, remembered by the
+    tensors' addresses and shapes: a step that repeats the last one (the same tensors, new
+    scalars) skips building them (a step of one small parameter is mostly this)."""
+    columns = [[tensors[k][t] for k in members] for t in program.tensors]
+    ptrs = tuple([t.data_ptr() for column in columns for t in column])
+    shapes = tuple([tensors[k][shaped].shape for k in members])
+    key = (program, dispatchers, nthreads, ptrs, shapes)
+    hit = _layouts.get(key)
+    if hit is None:
+        addresses = np.asarray(ptrs, dtype=np.int64).reshape(len(program.tensors), len(members))
+        dims = np.asarray([matrix_dims(tensors[k][shaped]) for k in members], dtype=np.int64).reshape(-1, 3)
+        numel = sum(tensors[k][shaped].numel() for k in members)
+        share = len(members) if program.reductions else numel // PARALLEL_MIN_NUMEL
+        dispatcher = dispatchers[0] if min(nthreads, share) > 1 else dispatchers[1]
+        items = _items(dims) if not program.reductions else np.zeros((0, 5), np.int64)
+        if len(_layouts) >= _LAYOUTS_KEPT:
+            _layouts.clear()
+        hit = _layouts[key] = (dispatcher, items, addresses, dims)
+    return hit
 
 
 def reproduced(program, dims, lanes) -> bool:
@@ -396,34 +422,39 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     numba = import_numba()
     if not tensors:
         return list
-    dtypes = {t: _DTYPES.get(tensors[0][t].dtype) for t in program.tensors}
-    shaped = next(t for t in program.tensors if t not in dict(program.shapes))
+    names = program.tensors
+    first = tensors[0]
+    dtypes = {t: _DTYPES.get(first[t].dtype) for t in names}
+    kinds = tuple(first[t].dtype for t in names)
+    shaped = next(t for t in names if t not in dict(program.shapes))
+    column_norms = any(isinstance(st, Reduce) and st.dim == -2 for st in program.statements)
     ours, others = [], []
     for k, ts in enumerate(tensors):
-        readable = all(
-            _DTYPES.get(ts[t].dtype) == dtypes[t] and ts[t].is_contiguous() for t in program.tensors
+        column = [ts[t] for t in names]
+        ok = (
+            tuple([t.dtype for t in column]) == kinds
+            and all([t.is_contiguous() for t in column])
+            and (not column_norms or reproduced(program, matrix_dims(ts[shaped]), lanes))
         )
-        ok = readable and None not in dtypes.values() and reproduced(program, matrix_dims(ts[shaped]), lanes)
         (ours if ok else others).append(k)
+    if None in dtypes.values():
+        ours, others = [], list(range(len(tensors)))
     if others and fallback is None:
         return None
     weights = lerp_weights(program)
     by_variant: dict = {}
-    for k in ours:
-        by_variant.setdefault(lerp_variant(scalars[k], weights), []).append(k)
+    if weights:
+        for k in ours:
+            by_variant.setdefault(lerp_variant(scalars[k], weights), []).append(k)
+    elif ours:
+        by_variant[()] = ours
     calls, results = [], [dict() for _ in tensors]
     keep = []  # every tensor a launch reads by address, alive until it ran
     wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
     for variant, members in by_variant.items():
         dispatchers, names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
-        numel = sum(tensors[k][shaped].numel() for k in members)
-        share = len(members) if program.reductions else numel // PARALLEL_MIN_NUMEL
-        dispatcher = dispatchers[0] if min(nthreads, share) > 1 else dispatchers[1]
+        dispatcher, items, addresses, dims = _layout(program, dispatchers, members, tensors, shaped, nthreads)
         scalar_rows = _scalar_rows(names, consts, [scalars[k] for k in members])
-        addresses = np.asarray(
-            [[tensors[k][t].data_ptr() for k in members] for t in program.tensors], dtype=np.int64
-        ).reshape(len(program.tensors), len(members))
-        dims = np.asarray([matrix_dims(tensors[k][shaped]) for k in members], dtype=np.int64).reshape(-1, 3)
         out_ptrs = np.zeros((len(program.reductions), len(members)), dtype=np.int64)
         for r, st in enumerate(st for st in program.statements if isinstance(st, Reduce)):
             if st.dim is None:
@@ -440,7 +471,6 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
                     out = torch.zeros((*t.shape[:-2], 1, t.shape[-1]), dtype=torch.float32)
                 out_ptrs[r, c] = out.data_ptr()
                 results[k][st.name] = out
-        items = _items(dims) if not program.reductions else np.zeros((0, 5), np.int64)
         calls.append((dispatcher, items, addresses, dims, scalar_rows, out_ptrs))
     for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
         if dispatcher not in _compiled:  # compile (or load) now: a launch cannot fail later

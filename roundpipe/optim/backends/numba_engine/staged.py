@@ -260,7 +260,12 @@ def _reducing(program, body, reduced, lanes, order, names, views):
         "",
         "",
         "def kernel(items, addresses, dims, scalar_rows, outs):",
-        "    for p in prange(dims.shape[0]):",
+        # items: (parameter, thread, threads) rows, the parameters spread over the threads by
+        # size (``_schedule``)
+        "    for th in prange(items[0, 2] if items.shape[0] > 0 else 0):",
+        "      for it in range(items.shape[0]):",
+        "       if items[it, 1] == th:",
+        "        p = items[it, 0]",
         "        wide_vectors()",
         *_indent(_setup(names), 2),
         "        total = rows * n",
@@ -363,6 +368,19 @@ def _items(dims) -> np.ndarray:
 _row_plans: dict = {}  # a kernel's scalar names -> (the scalars they read, the complements' columns)
 
 
+def _schedule(dims, nthreads) -> np.ndarray:
+    """A reducing kernel's items: each parameter's thread, the largest first to the least
+    loaded thread (each parameter runs on one thread: its reductions are sequential)."""
+    sizes = [int(nb * m * n) for nb, m, n in dims]
+    loads = [0] * nthreads
+    items = np.zeros((len(sizes), 5), dtype=np.int64)
+    for p in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+        th = loads.index(min(loads))
+        loads[th] += sizes[p] + 1
+        items[p, :3] = (p, th, nthreads)
+    return items
+
+
 def _scalar_rows(names, consts, scalars) -> np.ndarray:
     """The kernel's float32 rows of scalars (``names``: its ``s_*`` variables, a lerp weight's
     complement ``s_<w>__m1`` as ``float32(w) - 1``), then its constants, for each parameter."""
@@ -397,7 +415,10 @@ def _layout(program, dispatchers, members, tensors, shaped, nthreads):
         numel = sum(tensors[k][shaped].numel() for k in members)
         share = len(members) if program.reductions else numel // PARALLEL_MIN_NUMEL
         dispatcher = dispatchers[0] if min(nthreads, share) > 1 else dispatchers[1]
-        items = _items(dims) if not program.reductions else np.zeros((0, 5), np.int64)
+        if program.reductions:
+            items = _schedule(dims, nthreads if dispatcher is dispatchers[0] else 1)
+        else:
+            items = _items(dims)
         if len(_layouts) >= _LAYOUTS_KEPT:
             _layouts.clear()
         hit = _layouts[key] = (dispatcher, items, addresses, dims)

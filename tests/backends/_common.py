@@ -11,8 +11,10 @@ from roundpipe.optim.spec.ir import (
     addcdiv,
     addcmul,
     clamp,
+    clamp_min,
     lerp,
     maximum,
+    rsqrt,
     sign,
     sqrt,
     where,
@@ -34,6 +36,7 @@ def every_function_builder():
     u = b.let("u", clamp(addcdiv(buf - buf, g, d, value=s.one), s.lo, s.hi))
     b.assign(param, addcdiv(param, buf, d, value=s.neg_lr) - u * s.lr + sign(grad) * s.tiny + 0.5 / (d + 1.0))
     b.assign(param, where(param >= 3.0, 3.0 - param, 1.0 + (param - 1.0)))
+    b.assign(param, param + rsqrt(clamp_min(acc, s.eps)) * s.tiny)
     return b, (param, grad, buf, acc)
 
 
@@ -72,6 +75,7 @@ def by_hand(t, sc):
     param = torch.addcdiv(param, buf, d, value=sc["neg_lr"]) - u * sc["lr"] + torch.sign(grad) * sc["tiny"]
     param = param + 0.5 / (d + 1.0)
     param = torch.where(param >= 3.0, 3.0 - param, 1.0 + (param - 1.0))
+    param = param + torch.rsqrt(torch.clamp(acc, min=sc["eps"])) * sc["tiny"]
     return dict(param=param, grad=grad, buf=buf, acc=acc)
 
 

@@ -102,6 +102,9 @@ class KernelLowering(Lowering):
         self.sqrt_cuts.append(len(self.records))
         return Code(f"roots{k}[i]")
 
+    def correct_sqrt(self, x):
+        return self.fmt("np.sqrt({})", x)
+
     def fma(self, a, b, c):
         self.uses_fma = True
         return self.fmt("fma({}, {}, {})", a, b, c)

@@ -192,9 +192,9 @@ def _group_plan(spec, name, state, created, gi, group, indices, params, pairs):
         where = functools.partial(where_of, name, gi, pi, p)
         if is_dtensor(p):
             raise ValueError(
-                f"{where()}: a DTensor; roundpipe.optim.{name} steps whole tensors (its statistics of "
-                "a matrix span every shard, which each rank alone does not see): gather the "
-                "parameter, or use torch.optim's on the full tensor"
+                f"{where()}: a DTensor; roundpipe.optim.{name} steps each rank's local shards and issues "
+                "no collectives, and its statistics of a matrix span every shard: use "
+                f"torch.optim.{name} for DTensor parameters (its DTensor ops gather them)"
             )
         o = spec.options(group, p)
         for n in spec.scalar_state:

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from conformance import cases
+from conformance import cases, staged_cases
 from roundpipe.optim.bench import workloads
-from roundpipe.optim.spec import SPECS
+from roundpipe.optim.spec import SPECS, STAGED_SPECS
 from roundpipe.optim.spec.core import Options
 from roundpipe.optim.spec.ir import (
     Program,
@@ -31,18 +31,26 @@ from .. import test_fidelity
 
 def test_every_table_covers_every_spec():
     """The per-optimizer tables the tests and the bench read hold every registered spec and
-    nothing else: each is derived from ``SPECS`` but the conformance cases, which a new
-    optimizer adds by hand (CONTRIBUTING.md)."""
+    nothing else: each is derived from ``SPECS`` (``STAGED_SPECS`` for the staged ones) but the
+    conformance cases, which a new optimizer adds by hand (CONTRIBUTING.md)."""
     tables = {
         "tests/_util.py OPTIMIZER_NAMES (the name fixture)": OPTIMIZER_NAMES,
         "tests/_util.py RICH_KWARGS": RICH_KWARGS,
         "tests/test_fidelity.py KWARGS": test_fidelity.KWARGS,
         "conformance/cases.py OPTIMIZERS": cases.OPTIMIZERS,
         "conformance/cases.py CASES_BY_OPTIMIZER": cases.CASES_BY_OPTIMIZER,
-        "roundpipe/optim/bench/workloads.py OPTIONS": workloads.OPTIONS,
     }
-    for where, table in tables.items():
-        missing, unknown = sorted(set(SPECS) - set(table)), sorted(set(table) - set(SPECS))
+    # the tables of every optimizer, the staged ones (Adafactor, Muon) included
+    every = {
+        "roundpipe/optim/bench/workloads.py OPTIONS": (workloads.OPTIONS, {**SPECS, **STAGED_SPECS}),
+        "conformance/staged_cases.py STAGED_CASES": (
+            {c.optimizer for c in staged_cases.STAGED_CASES},
+            STAGED_SPECS,
+        ),
+    }
+    checks = {**{where: (table, SPECS) for where, table in tables.items()}, **every}
+    for where, (table, specs) in checks.items():
+        missing, unknown = sorted(set(specs) - set(table)), sorted(set(table) - set(specs))
         assert not missing and not unknown, f"{where}: missing {missing}, not a spec {unknown}"
     assert all(cases.CASES_BY_OPTIMIZER[n] for n in SPECS), "an optimizer without conformance cases"
 

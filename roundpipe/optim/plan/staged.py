@@ -26,8 +26,6 @@ from ..spec.core import Options, Scratch
 from ..spec.staged import Between, Pass
 from ..tensors import is_dtensor
 from .checks import (
-    check_duplicates,
-    check_overlap,
     grads_ok,
     raise_problem,
     scalar_state_problem,
@@ -35,7 +33,7 @@ from .checks import (
     where_of,
 )
 from .state import create_state, rollback
-from .step_plan import stepped_params
+from .step_plan import stepped_work
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -154,13 +152,7 @@ def _build(opt, spec):
     """Validate everything and create missing state: ``(plan, created)`` (``created`` as
     ``step_plan.build``'s, rolled back here on a failure)."""
     name = type(opt).__name__
-    work, seen = [], set()
-    for gi, group in enumerate(opt.param_groups):
-        indices, params, pairs = stepped_params(name, gi, group["params"])
-        check_duplicates(name, gi, indices, params, seen)
-        seen.update(map(id, params))
-        work.append((gi, group, indices, params, pairs))
-    check_overlap(name, work)
+    work = stepped_work(opt)
     created: list = []
     try:
         groups = [_group_plan(spec, name, opt.state, created, *w) for w in work]

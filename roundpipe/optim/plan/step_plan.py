@@ -94,13 +94,7 @@ def build(opt, spec, backend=None):
     """
     name = type(opt).__name__
     state = opt.state
-    work, seen = [], set()
-    for gi, group in enumerate(opt.param_groups):
-        indices, params, pairs = stepped_params(name, gi, group["params"])
-        check_duplicates(name, gi, indices, params, seen)
-        seen.update(map(id, params))
-        work.append((gi, group, indices, params, pairs))
-    check_overlap(name, work)
+    work = stepped_work(opt)
     created = []  # (param, state dict, number of entries it had, whether it was added to state)
     below = backend.flat_state_below if backend is not None else 0
     try:
@@ -124,6 +118,20 @@ def build(opt, spec, backend=None):
         rollback(state, created)
         raise
     return plan, [gp.current_grads() for gp in groups], created
+
+
+def stepped_work(opt) -> list:
+    """Each param group's ``(gi, group, indices, params, pairs)`` (``stepped_params``), checked
+    for a parameter listed twice and for parameters that overlap in memory."""
+    name = type(opt).__name__
+    work, seen = [], set()
+    for gi, group in enumerate(opt.param_groups):
+        indices, params, pairs = stepped_params(name, gi, group["params"])
+        check_duplicates(name, gi, indices, params, seen)
+        seen.update(map(id, params))
+        work.append((gi, group, indices, params, pairs))
+    check_overlap(name, work)
+    return work
 
 
 def stepped_params(cls_name, gi, group_params):

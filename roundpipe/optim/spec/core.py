@@ -103,25 +103,43 @@ class OptimizerSpec:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self):
-        # read-only, so that a test that edits the kwargs it was given cannot change what the
-        # next test reads
-        for name in ("rich_kwargs", "fidelity_kwargs"):
-            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        freeze_test_kwargs(self)
 
     def program(self, options: dict) -> Program:
-        key = tuple(sorted(options.items()))
-        prog = self._cache.get(key)
-        if prog is None:
-            with self._lock:
-                prog = self._cache.get(key)
-                if prog is None:
-                    o = Options(dict(options))
-                    b = ProgramBuilder(self.inputs(o))
-                    gradient_factors(b, o.get("grad_factors", 0))
-                    self.statements(o, b)
-                    prog = b.build()
-                    self._cache[key] = prog
-        return prog
+        return built_once(self, options, self._build)
+
+    def _build(self, o: Options) -> Program:
+        return build_program(o, self.inputs(o), self.statements)
+
+
+def build_program(o, inputs, statements, shapes=None) -> Program:
+    """``statements(o, b)`` on a builder over ``inputs`` (``shapes``: its broadcast inputs), after
+    the gradient factors of the options (``gradient_factors``), validated."""
+    o = Options(dict(o))
+    b = ProgramBuilder(inputs, shapes)
+    gradient_factors(b, o.get("grad_factors", 0))
+    statements(o, b)
+    return b.build()
+
+
+def freeze_test_kwargs(spec) -> None:
+    """``rich_kwargs`` and ``fidelity_kwargs`` read-only, so that a test that edits the kwargs it
+    was given cannot change what the next test reads."""
+    for name in ("rich_kwargs", "fidelity_kwargs"):
+        object.__setattr__(spec, name, MappingProxyType(dict(getattr(spec, name))))
+
+
+def built_once(spec, options: dict, build):
+    """``build(Options(options))``, once per set of options (``spec._cache`` under
+    ``spec._lock``): programs key every compile cache, and a step asks for them every time."""
+    key = tuple(sorted(options.items()))
+    hit = spec._cache.get(key)
+    if hit is None:
+        with spec._lock:
+            hit = spec._cache.get(key)
+            if hit is None:
+                hit = spec._cache[key] = build(Options(dict(options)))
+    return hit
 
 
 def gradient_factors(b: ProgramBuilder, count: int) -> None:

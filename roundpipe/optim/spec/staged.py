@@ -33,10 +33,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
-from .core import Options
-from .ir import Program, ProgramBuilder
+from .core import Options, build_program, built_once, freeze_test_kwargs
+from .ir import Program
 
 __all__ = ["StagedSpec", "Pass", "Between", "program"]
 
@@ -56,15 +55,9 @@ class Between:
 
 
 def program(o, inputs, statements, shapes=None) -> Program:
-    """A pass's program: ``statements(o, b)`` on a builder over ``inputs``, with the gradient
-    factors of the options (``core.gradient_factors``: loss scaling and clipping)."""
-    from .core import gradient_factors
-
-    o = Options(dict(o))
-    b = ProgramBuilder(inputs, shapes)
-    gradient_factors(b, o.get("grad_factors", 0))
-    statements(o, b)
-    return b.build()
+    """A pass's program: ``statements(o, b)`` over ``inputs``, with the gradient factors of the
+    options (loss scaling and clipping), as an elementwise spec's (``core.build_program``)."""
+    return build_program(o, inputs, statements, shapes)
 
 
 @dataclass(frozen=True)
@@ -85,19 +78,14 @@ class StagedSpec:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self):
-        for name in ("rich_kwargs", "fidelity_kwargs"):
-            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        freeze_test_kwargs(self)
 
     def stages(self, options: dict) -> tuple:
         """The stages for ``options``, built once (validated: a typo fails the tests)."""
-        key = tuple(sorted(options.items()))
-        hit = self._cache.get(key)
-        if hit is None:
-            with self._lock:
-                hit = self._cache.get(key)
-                if hit is None:
-                    hit = tuple(self.build_stages(Options(dict(options))))
-                    if not hit or not isinstance(hit[-1], Pass):
-                        raise ValueError(f"{self.name}: a staged step ends with a Pass")
-                    self._cache[key] = hit
-        return hit
+        return built_once(self, options, self._build)
+
+    def _build(self, o: Options) -> tuple:
+        stages = tuple(self.build_stages(o))
+        if not stages or not isinstance(stages[-1], Pass):
+            raise ValueError(f"{self.name}: a staged step ends with a Pass")
+        return stages

@@ -126,9 +126,17 @@ def compile_kernel(
 
 def _compile(numba, program, variant, fused, sqrt="routine", dtype_names=("float32", None)) -> NumbaKernel:
     source = generate(program, variant, fused, sqrt, dtype_names)
-    key = f"{source.source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
-    name = "roundpipe_numba_" + hashlib.sha256(key.encode()).hexdigest()[:24]
-    module, on_disk = load_module(name, source.source)
+    parallel, serial, on_disk = jit_module(numba, "roundpipe_numba_", source.source)
+    return NumbaKernel(program, tuple(variant), fused, source, on_disk, parallel, serial)
+
+
+def jit_module(numba, prefix: str, source: str):
+    """``(parallel, serial, on_disk)``: the generated module ``source`` (named by ``prefix`` and
+    its hash, written to the disk cache) and numba's dispatchers of its ``kernel_parallel`` and
+    ``kernel_serial``, cached on disk where the cache directory can be written."""
+    key = f"{source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
+    name = prefix + hashlib.sha256(key.encode()).hexdigest()[:24]
+    module, on_disk = load_module(name, source)
     serial_options = {**JIT_OPTIONS, "parallel": False}
     try:
         parallel = numba.njit(cache=on_disk, **JIT_OPTIONS)(module.kernel_parallel)
@@ -138,7 +146,7 @@ def _compile(numba, program, variant, fused, sqrt="routine", dtype_names=("float
         on_disk = False
         parallel = numba.njit(cache=False, **JIT_OPTIONS)(module.kernel_parallel)
         serial = numba.njit(cache=False, **serial_options)(module.kernel_serial)
-    return NumbaKernel(program, tuple(variant), fused, source, on_disk, parallel, serial)
+    return parallel, serial, on_disk
 
 
 _kind = None

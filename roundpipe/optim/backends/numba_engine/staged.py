@@ -19,18 +19,14 @@ Broadcast inputs are read at the element's row (``rows``), column (``cols``) or 
 
 from __future__ import annotations
 
-import hashlib
-import os
-
 import numpy as np
 import torch
 
 from ...spec.ir import Assign, Let, Reduce
 from .. import CompileCache
 from ..formulas import Lowering, lerp_variant, lerp_weights
-from ..numba_engine.config import GENERATOR_VERSION, JIT_OPTIONS, PARALLEL_MIN_NUMEL, import_numba
-from ..numba_engine.disk_cache import load_module, warn_uncached
-from ..numba_engine.kernels import keep_torch_threads
+from ..numba_engine.config import GENERATOR_VERSION, PARALLEL_MIN_NUMEL, import_numba
+from ..numba_engine.kernels import jit_module, keep_torch_threads
 
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -157,7 +153,7 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True)):
     ]
     # the same loop with range: a launch too small to share out runs without waking numba's pool
     serial = [
-        line.replace("def kernel(", "def kernel_serial(").replace(" in prange(", " in range(")
+        line.replace("def kernel_parallel(", "def kernel_serial(").replace(" in prange(", " in range(")
         for line in kernel
     ]
     lines += ["", *serial]
@@ -168,7 +164,7 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True)):
 def _elementwise(body, stores, names, views):
     """Items ``(p, r0, r1, j0, j1)``: rows ``[r0, r1)`` of parameter ``p``, columns ``[j0, j1)``."""
     return [
-        "def kernel(items, addresses, dims, scalar_rows, outs):",
+        "def kernel_parallel(items, addresses, dims, scalar_rows, outs):",
         "    for it in prange(items.shape[0]):",
         "        wide_vectors()",
         "        p = items[it, 0]",
@@ -259,7 +255,7 @@ def _reducing(program, body, reduced, lanes, order, names, views):
         "BLOCK = 512",
         "",
         "",
-        "def kernel(items, addresses, dims, scalar_rows, outs):",
+        "def kernel_parallel(items, addresses, dims, scalar_rows, outs):",
         # items: (parameter, thread, threads) rows, the parameters spread over the threads by
         # size (``_schedule``)
         "    for th in prange(items[0, 2] if items.shape[0] > 0 else 0):",
@@ -320,19 +316,8 @@ def compile_pass(program, variant, fused, dtypes, lanes, order):
 
 
 def _compile(program, variant, fused, dtypes, lanes, order):
-    numba = import_numba()
     source, names, consts = generate(program, variant, fused, dtypes, lanes, order)
-    key = f"{source}\nnumba {numba.__version__}\ngenerator {GENERATOR_VERSION}"
-    name = "roundpipe_staged_" + hashlib.sha256(key.encode()).hexdigest()[:24]
-    module, on_disk = load_module(name, source)
-    serial_options = {**JIT_OPTIONS, "parallel": False}
-    try:
-        parallel = numba.njit(cache=on_disk, **JIT_OPTIONS)(module.kernel)
-        serial = numba.njit(cache=on_disk, **serial_options)(module.kernel_serial)
-    except RuntimeError as err:  # numba found no writable place for its cache files
-        warn_uncached(os.path.dirname(module.__file__), err)
-        parallel = numba.njit(cache=False, **JIT_OPTIONS)(module.kernel)
-        serial = numba.njit(cache=False, **serial_options)(module.kernel_serial)
+    parallel, serial, _ = jit_module(import_numba(), "roundpipe_staged_", source)
     _parallel.add(parallel)
     return (parallel, serial), names, consts
 

@@ -256,12 +256,12 @@ def _reducing(program, body, reduced, lanes, order, names, views):
         "",
         "",
         "def kernel_parallel(items, addresses, dims, scalar_rows, outs):",
-        # items: (parameter, thread, threads) rows, the parameters spread over the threads by
-        # size (``_schedule``)
-        "    for th in prange(items[0, 2] if items.shape[0] > 0 else 0):",
-        "      for it in range(items.shape[0]):",
-        "       if items[it, 1] == th:",
-        "        p = items[it, 0]",
+        # items: one parameter (or -1, nothing) a row, each thread's share of rows holding the
+        # parameters ``_schedule`` gave it
+        "    for it in prange(items.shape[0]):",
+        "      p = items[it, 0]",
+        "      if p >= 0:",
+        "       if True:",
         "        wide_vectors()",
         *_indent(_setup(names), 2),
         "        total = rows * n",
@@ -354,15 +354,20 @@ _row_plans: dict = {}  # a kernel's scalar names -> (the scalars they read, the 
 
 
 def _schedule(dims, nthreads) -> np.ndarray:
-    """A reducing kernel's items: each parameter's thread, the largest first to the least
-    loaded thread (each parameter runs on one thread: its reductions are sequential)."""
+    """A reducing kernel's items: the parameters spread over the threads by size (the largest
+    first to the least loaded: each runs on one thread, its reductions being sequential), as
+    ``nthreads`` equal runs of rows, padded with -1, since numba's parallel loop gives each
+    thread an equal run of iterations."""
     sizes = [int(nb * m * n) for nb, m, n in dims]
-    loads = [0] * nthreads
-    items = np.zeros((len(sizes), 5), dtype=np.int64)
+    loads, shares = [0] * nthreads, [[] for _ in range(nthreads)]
     for p in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
         th = loads.index(min(loads))
         loads[th] += sizes[p] + 1
-        items[p, :3] = (p, th, nthreads)
+        shares[th].append(p)
+    width = max(len(share) for share in shares) if sizes else 0
+    items = np.full((nthreads * width, 5), -1, dtype=np.int64)
+    for th, share in enumerate(shares):
+        items[th * width : th * width + len(share), 0] = share
     return items
 
 

@@ -244,3 +244,17 @@ def test_reductions_spread_over_the_threads_by_size():
     loads = [sum(int(a * b * c) for a, b, c in (dims[p] for p in share)) for share in shares]
     assert min(loads) >= 0.49 * max(loads), loads
     assert numba_staged._schedule([], 2).shape == (0, 5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_self_check_on_a_release_the_suite_did_not_check(name, monkeypatch):
+    """The staged optimizers were checked on fewer torch releases than the rest: on another one
+    inside the range they check themselves (a matrix, since Muon steps nothing else), and on
+    this one they pass the check."""
+    from roundpipe.optim import torch_support
+
+    monkeypatch.setattr(torch_support, "torch_release", lambda version=None: (2, 7))
+    assert not torch_support._followed(getattr(ro, name))
+    assert torch_support._followed(ro.AdamW)
+    cls = getattr(ro, name)
+    assert torch_support._difference(cls, cls.spec.torch_class, dict(KWARGS[name])) is None

@@ -85,7 +85,23 @@ class Options(dict):
 
 
 @dataclass(frozen=True)
-class OptimizerSpec:
+class SpecBase:
+    """What every spec has beside its math (``OptimizerSpec``, ``staged.StagedSpec``): its test
+    kwargs and the cache of what it builds per set of options (``built_once``)."""
+
+    # keyword-only and required: a spec without them cannot be built, rather than a test
+    # failing later with a KeyError; not compared, as they are test data, not the algorithm
+    rich_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
+    fidelity_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, kw_only=True, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, kw_only=True, repr=False, compare=False)
+
+    def __post_init__(self):
+        freeze_test_kwargs(self)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec(SpecBase):
     name: str
     torch_class: type
     init_state: Callable
@@ -95,15 +111,6 @@ class OptimizerSpec:
     statements: Callable
     scalar_state: tuple = ("step",)
     flags: tuple = ()  # per-step flags (bools from init_state or scalars) that select the program
-    # keyword-only and required: a spec without them cannot be built, rather than a test
-    # failing later with a KeyError; not compared, as they are test data, not the algorithm
-    rich_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
-    fidelity_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def __post_init__(self):
-        freeze_test_kwargs(self)
 
     def program(self, options: dict) -> Program:
         return built_once(self, options, self._build)

@@ -30,11 +30,10 @@ differences: ``options(group, p)`` is per parameter (Adafactor factors matrices 
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from .core import Options, build_program, built_once, freeze_test_kwargs
+from .core import Options, SpecBase, build_program, built_once
 from .ir import Program
 
 __all__ = ["StagedSpec", "Pass", "Between", "program"]
@@ -61,7 +60,7 @@ def program(o, inputs, statements, shapes=None) -> Program:
 
 
 @dataclass(frozen=True)
-class StagedSpec:
+class StagedSpec(SpecBase):
     name: str
     torch_class: type
     init_state: Callable  # (group, p, state): torch's _init_group for one parameter
@@ -72,13 +71,6 @@ class StagedSpec:
     check_group: Callable = lambda group: None  # raises before anything moves
     scalar_state: tuple = ("step",)
     commit: tuple = ()  # (state entry, context name) copied in after the last pass
-    rich_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
-    fidelity_kwargs: Mapping = field(kw_only=True, repr=False, compare=False)
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def __post_init__(self):
-        freeze_test_kwargs(self)
 
     def stages(self, options: dict) -> tuple:
         """The stages for ``options``, built once (validated: a typo fails the tests)."""

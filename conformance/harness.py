@@ -678,11 +678,17 @@ def steps(case: Case, run: str, keep: bool, seen: set | None = None):
         with harness_threads():
             if seen is not None:
                 seen |= branches(opt, step_done=True)
-            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-                if (p.grad is None) != (g is None) or (g is not None and not torch.equal(p.grad, g)):
-                    raise AssertionError(ctx(f"step() modified the gradient of {param_label(i)}"))
+            check_grads_untouched(params, grads, ctx, param_label)
             snap = snapshot(params, opt, loss, keep)
         yield snap
+
+
+def check_grads_untouched(params, grads, ctx, label):
+    """Raise unless each parameter's ``.grad`` is still the gradient it was given (torch never
+    writes ``p.grad`` in a step)."""
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        if (p.grad is None) != (g is None) or (g is not None and not torch.equal(p.grad, g)):
+            raise AssertionError(ctx(f"step() modified the gradient of {label(i)}"))
 
 
 @dataclass

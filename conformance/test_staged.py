@@ -36,6 +36,7 @@ from .harness import (
     _same_meta,
     _same_value,
     bits_mismatch,
+    check_grads_untouched,
     conformance_threads,
     harness_threads,
 )
@@ -201,9 +202,7 @@ def steps(case: StagedCase, run: str, keep: bool, seen: set | None = None):
         with harness_threads():
             if track:
                 seen |= adafactor_branches(opt, before=False)
-            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-                if (p.grad is None) != (g is None) or (g is not None and not torch.equal(p.grad, g)):
-                    raise AssertionError(ctx(f"step() modified the gradient of {ctx.label(i)}"))
+            check_grads_untouched(params, grads, ctx, ctx.label)
             snap = snapshot(params, opt, loss, keep)
         yield snap
 

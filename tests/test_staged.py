@@ -258,3 +258,23 @@ def test_self_check_on_a_release_the_suite_did_not_check(name, monkeypatch):
     assert torch_support._followed(ro.AdamW)
     cls = getattr(ro, name)
     assert torch_support._difference(cls, cls.spec.torch_class, dict(KWARGS[name])) is None
+
+
+def test_more_threads_than_numbas_pool_steps():
+    """roundpipe's thread count above numba's pool (NUMBA_NUM_THREADS) runs on the pool's."""
+    params = [_randn(s, i).requires_grad_() for i, s in enumerate(SHAPES["Adafactor"])]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    opt, ref_opt = ro.Adafactor(params, lr=0.05), torch.optim.Adafactor(ref, lr=0.05)
+    before = ro.get_num_threads()
+    ro.set_num_threads(64)
+    try:
+        for step in range(2):
+            for i, (p, q) in enumerate(zip(params, ref, strict=True)):
+                p.grad = _randn(p.shape, 40 * step + i)
+                q.grad = p.grad.clone()
+            opt.step()
+            ref_opt.step()
+    finally:
+        ro.set_num_threads(before)
+    for p, q in zip(params, ref, strict=True):
+        assert_bits_equal(p, q)

@@ -259,7 +259,8 @@ class FastBackend(Backend):
             fused = staged_fusion(program, self.numba_engine().fused, tensors)
             order = numba_staged.torch_reductions() if program.reductions else (8, (False, True))
             if fused is not None and order is not None:
-                nthreads = threads.get_num_threads()
+                # (numba's pool has at most NUMBA_NUM_THREADS threads: asking for more raises)
+                nthreads = min(threads.get_num_threads(), self.numba_engine().max_threads)
                 launch = numba_staged.prepare(program, scalars, tensors, fused, *order, nthreads, run_staged)
                 if launch is not None:
                     return launch

@@ -144,6 +144,11 @@ class NumbaEngine:
             scalar_rows.append(kernel.scalar_row(scalar_env(values, weights)))
         return rows, np.asarray(scalar_rows, dtype=np.float32)
 
+    @property
+    def max_threads(self) -> int:
+        """The most threads a kernel can run on (numba's pool: ``NUMBA_NUM_THREADS``)."""
+        return self._numba.config.NUMBA_NUM_THREADS
+
     def _threads(self, total: int) -> int:
         n = min(threads.get_num_threads(), self._numba.config.NUMBA_NUM_THREADS, total // PARALLEL_MIN_NUMEL)
         return max(1, n)

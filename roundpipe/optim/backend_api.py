@@ -82,13 +82,18 @@ class Backend(ABC):
         return None
 
     def prepare_staged(
-        self, program: Program, scalars: list[dict[str, float]], tensors: list[dict[str, torch.Tensor]]
-    ) -> Callable[[], list[dict[str, torch.Tensor]]]:
+        self,
+        program: Program,
+        scalars: list[dict[str, float]],
+        tensors: list[dict[str, torch.Tensor]],
+        cache: dict | None = None,
+    ) -> Callable[[], list[dict[str, Any]]]:
         """A pass of a staged step (``spec/staged.py``): ``program`` once per parameter, the i-th
         with ``scalars[i]`` and ``tensors[i]`` (float32 tensors in their shapes, broadcast inputs
         in theirs, scratch tensors of any dtype); everything that can fail done here. The launch
         returns each parameter's reductions (``norm`` statements) by name, as torch's
-        ``torch.norm(..., keepdim=True)`` returns them (a whole-tensor norm may be a float)."""
+        ``torch.norm(..., keepdim=True)`` returns them (a whole-tensor norm may be a float).
+        ``cache``: this pass's own dict, kept by the step plan between steps, as ``prepare``'s."""
         raise TypeError(f"backend {self.name!r} cannot run the passes of a staged optimizer step")
 
     def gradient_sums(self, grads: Sequence[torch.Tensor], order: float) -> np.ndarray | None:

@@ -64,6 +64,7 @@ def staged_fusion(program, fused, tensors):
     """The fused multiply-adds of a staged pass: the engine's, or, where the pass reads a
     low-precision tensor (Muon's bfloat16 update), what ``torch_mixed_fusion`` measured for
     ``add`` (None: unknown, the pass runs torch's ops)."""
+    fused = frozenset(fused)
     if not tensors or all(
         tensors[0][t].dtype == torch.float32 for t in program.tensors if t not in program.targets
     ):
@@ -71,7 +72,7 @@ def staged_fusion(program, fused, tensors):
     mixed = numba_staged.torch_mixed_fusion()
     if mixed is None:
         return None
-    return (set(fused) | {"add"}) if mixed else (set(fused) - {"add"})
+    return (fused | {"add"}) if mixed else (fused - {"add"})
 
 
 def engine_setting(engine: str | None = None) -> tuple[str, bool]:
@@ -251,7 +252,7 @@ class FastBackend(Backend):
             cache.setdefault(engine, {}),
         )
 
-    def prepare_staged(self, program, scalars, tensors):
+    def prepare_staged(self, program, scalars, tensors, cache=None):
         """A staged step's pass: compiled on the numba engine (``numba_engine.staged``) where its
         probes found torch's reduction order and fused multiply-adds reproduced; torch's own ops
         (``reference.run_staged``: the same bits) on the other engines and elsewhere."""
@@ -261,7 +262,9 @@ class FastBackend(Backend):
             if fused is not None and order is not None:
                 # (numba's pool has at most NUMBA_NUM_THREADS threads: asking for more raises)
                 nthreads = min(threads.get_num_threads(), self.numba_engine().max_threads)
-                launch = numba_staged.prepare(program, scalars, tensors, fused, *order, nthreads, run_staged)
+                launch = numba_staged.prepare(
+                    program, scalars, tensors, fused, *order, nthreads, run_staged, cache
+                )
                 if launch is not None:
                     return launch
             self._log_staged_once(program, fused, order)

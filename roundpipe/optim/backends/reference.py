@@ -69,7 +69,7 @@ class ReferenceBackend(Backend):
         one; partners (``masters.py``) by their defining composition."""
         return composed(self._prepare, program, scalars, columns, {} if cache is None else cache)
 
-    def prepare_staged(self, program, scalars, tensors):
+    def prepare_staged(self, program, scalars, tensors, cache=None):
         return functools.partial(run_staged, program, scalars, tensors)
 
     def _prepare(self, program, scalars, columns, cache=None):

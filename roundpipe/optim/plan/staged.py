@@ -60,8 +60,14 @@ def run_staged_step(opt, backend: Backend, factors=None) -> None:
             spec.check_group(gp.group)
             for k, grad in enumerate(group_grads):
                 entries.append(_entry(spec, type(opt).__name__, gp, k, grad, factors, memo))
-        finals = _run_stages(backend, entries)
-        launches = [backend.prepare_staged(program, *_columns(program, ctxs)) for program, ctxs in finals]
+        caches = plan.launch_caches
+        finals = _run_stages(backend, entries, caches)
+        launches = [
+            backend.prepare_staged(
+                program, *_columns(program, ctxs), caches.setdefault(("last", program), {})
+            )
+            for program, ctxs in finals
+        ]
     except BaseException:
         rollback(opt.state, created)
         opt.__dict__[_PLAN] = None  # rebuilt (and re-validated) by the next step
@@ -113,7 +119,7 @@ class _StagedPlan:
     """What ``_build`` validated, and the cheap per-step check that it still holds (the same
     idea as ``StepPlan``: identities and a few attribute reads; anything else rebuilds)."""
 
-    __slots__ = ("param_groups", "n_groups", "state", "n_state", "generation", "groups")
+    __slots__ = ("param_groups", "n_groups", "state", "n_state", "generation", "groups", "launch_caches")
 
     def check(self, opt, spec):
         """This step's gradients per group, or None when the plan no longer holds."""
@@ -164,6 +170,7 @@ def _build(opt, spec):
     plan.state, plan.n_state = opt.state, len(opt.state)
     plan.generation = masters.generation()
     plan.groups = tuple(groups)
+    plan.launch_caches = {}  # (stage round or "last", program) -> the backend's cache for that pass
     return plan, created
 
 
@@ -297,7 +304,7 @@ def _scalars(spec, name, gi, group, st, memo):
     return hit
 
 
-def _run_stages(backend, entries):
+def _run_stages(backend, entries, caches):
     """Run every stage but the last of every entry, in rounds (stage k of each, one launch
     per program); return the last passes, grouped: ``[(program, contexts)]``."""
     depth = max((len(e.stages) for e in entries), default=0)
@@ -312,7 +319,7 @@ def _run_stages(backend, entries):
             else:
                 passes.setdefault(stage.program, []).append(e.ctx)
         for program, ctxs in passes.items():
-            results = backend.prepare_staged(program, *_columns(program, ctxs))()
+            results = backend.prepare_staged(program, *_columns(program, ctxs), _cache(caches, k, program))()
             for ctx, reduced in zip(ctxs, results, strict=True):
                 ctx.update(reduced)
     finals: dict = {}
@@ -321,6 +328,11 @@ def _run_stages(backend, entries):
         assert isinstance(last, Pass)
         finals.setdefault(last.program, []).append(e.ctx)
     return list(finals.items())
+
+
+def _cache(caches, stage, program) -> dict:
+    """The backend's cache for a pass (``stage``: its round, or "last"), kept with the plan."""
+    return caches.setdefault((stage, program), {})
 
 
 def _columns(program, ctxs):

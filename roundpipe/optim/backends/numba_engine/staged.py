@@ -311,7 +311,7 @@ _parallel: set = set()  # the parallel ones
 def compile_pass(program, variant, fused, dtypes, lanes, order):
     """``(dispatcher, scalar names, constants)`` for a pass; compiled once per process (and
     kept in the disk cache, as the engine's kernels are)."""
-    key = (program, tuple(variant), frozenset(fused), tuple(sorted(dtypes.items())), lanes, order)
+    key = (program, variant, fused, tuple(dtypes.values()), lanes, order)
     return _kernels.get(key, lambda: _compile(program, variant, fused, dtypes, lanes, order))
 
 
@@ -386,21 +386,25 @@ def _scalar_rows(names, consts, scalars) -> np.ndarray:
     return rows.reshape(len(scalars), len(names) + len(consts))
 
 
-_layouts: dict = {}  # (program, variant, threads, addresses, shapes) -> a launch's layout
-_LAYOUTS_KEPT = 512
+_LAYOUTS_KEPT = 16  # a launch's cache keeps a few layouts (the last steps' shapes)
 
 
-def _layout(program, dispatchers, members, tensors, shaped, nthreads):
-    """``(dispatcher, items, addresses, dims)`` of a launch over ``members``, remembered by the
-    tensors' addresses and shapes: a step that repeats the last one (the same tensors, new
-    scalars) skips building them (a step of one small parameter is mostly this)."""
-    columns = [[tensors[k][t] for k in members] for t in program.tensors]
-    ptrs = tuple([t.data_ptr() for column in columns for t in column])
+def _layout(program, dispatchers, members, tensors, shaped, nthreads, cache):
+    """``(dispatcher, items, addresses, dims)`` of a launch over ``members``, kept in the
+    launch's ``cache`` (the step plan's, per pass) by the addresses and shapes of every tensor
+    but the gradients, whose addresses are written in afresh (a new gradient each step is the
+    rule): a step that repeats the last one skips building them, which is most of what a step
+    of one small parameter costs."""
+    names = program.tensors
+    fixed = [r for r, t in enumerate(names) if t != "grad"]
+    ptrs = tuple([tensors[k][names[r]].data_ptr() for r in fixed for k in members])
     shapes = tuple([tensors[k][shaped].shape for k in members])
-    key = (program, dispatchers, nthreads, ptrs, shapes)
-    hit = _layouts.get(key)
+    key = (dispatchers, nthreads, ptrs, shapes)
+    hit = cache.get(key)
     if hit is None:
-        addresses = np.asarray(ptrs, dtype=np.int64).reshape(len(program.tensors), len(members))
+        addresses = np.asarray(
+            [[tensors[k][t].data_ptr() for k in members] for t in names], dtype=np.int64
+        ).reshape(len(names), len(members))
         dims = np.asarray([matrix_dims(tensors[k][shaped]) for k in members], dtype=np.int64).reshape(-1, 3)
         numel = sum(tensors[k][shaped].numel() for k in members)
         share = len(members) if program.reductions else numel // PARALLEL_MIN_NUMEL
@@ -409,9 +413,11 @@ def _layout(program, dispatchers, members, tensors, shaped, nthreads):
             items = _schedule(dims, nthreads if dispatcher is dispatchers[0] else 1)
         else:
             items = _items(dims)
-        if len(_layouts) >= _LAYOUTS_KEPT:
-            _layouts.clear()
-        hit = _layouts[key] = (dispatcher, items, addresses, dims)
+        if len(cache) >= _LAYOUTS_KEPT:
+            cache.clear()
+        hit = cache[key] = (dispatcher, items, addresses, dims)
+    elif "grad" in names:
+        hit[2][names.index("grad")] = [tensors[k]["grad"].data_ptr() for k in members]
     return hit
 
 
@@ -425,12 +431,14 @@ def reproduced(program, dims, lanes) -> bool:
     return not cols or n != 1 or m == 1
 
 
-def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=None):
+def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=None, cache=None):
     """The launch of a pass (``Backend.prepare_staged``) on the numba engine. Parameters whose
     tensors it cannot read (not contiguous, dtypes that differ between parameters) or whose
     reductions it does not reproduce (``reproduced``) run ``fallback(program, scalars, tensors)``
-    (torch's ops) in the same launch; without one, such a pass is refused (None)."""
+    (torch's ops) in the same launch; without one, such a pass is refused (None). ``cache``: the
+    launch's own dict, kept by the caller between steps (``_layout``)."""
     numba = import_numba()
+    cache = {} if cache is None else cache
     if not tensors:
         return list
     names = program.tensors
@@ -464,13 +472,15 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
     for variant, members in by_variant.items():
         dispatchers, names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
-        dispatcher, items, addresses, dims = _layout(program, dispatchers, members, tensors, shaped, nthreads)
+        dispatcher, items, addresses, dims = _layout(
+            program, dispatchers, members, tensors, shaped, nthreads, cache.setdefault(variant, {})
+        )
         scalar_rows = _scalar_rows(names, consts, [scalars[k] for k in members])
         out_ptrs = np.zeros((len(program.reductions), len(members)), dtype=np.int64)
         for r, st in enumerate(st for st in program.statements if isinstance(st, Reduce)):
             if st.dim is None:
-                buffer = np.empty(len(members), dtype=np.float32)
-                out_ptrs[r] = buffer.ctypes.data + 4 * np.arange(len(members), dtype=np.int64)
+                buffer = torch.empty(len(members), dtype=torch.float32)  # (data_ptr: no ctypes object)
+                out_ptrs[r] = buffer.data_ptr() + 4 * np.arange(len(members), dtype=np.int64)
                 wholes.append((buffer, st.name, members))
                 keep.append(buffer)
                 continue

@@ -278,3 +278,26 @@ def test_more_threads_than_numbas_pool_steps():
         ro.set_num_threads(before)
     for p, q in zip(params, ref, strict=True):
         assert_bits_equal(p, q)
+
+
+def test_a_torch_without_muon(tmp_path):
+    """On a torch without torch.optim.Muon (before 2.9), roundpipe.optim imports, star-imports,
+    and ``from roundpipe.optim import Muon`` raises an ImportError naming the torch version."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.optim\n"
+        "del torch.optim.Muon\n"
+        "from roundpipe.optim import *\n"
+        "import roundpipe.optim as ro\n"
+        "assert 'Muon' not in ro.__all__ and 'Adafactor' in ro.__all__\n"
+        "try:\n"
+        "    from roundpipe.optim import Muon\n"
+        "except ImportError as e:\n"
+        "    assert torch.__version__ in str(e) and '2.9' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('Muon imported')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr

@@ -43,11 +43,6 @@ from .optimizers import (
 )
 from .threads import get_num_threads, set_num_threads
 
-try:
-    from .optimizers import Muon
-except ImportError:  # torch < 2.9: no torch.optim.Muon (``__getattr__`` below says so)
-    pass
-
 __all__ = [
     "ASGD",
     "SGD",
@@ -58,7 +53,6 @@ __all__ = [
     "AdamW",
     "Adamax",
     "GradScaler",
-    "Muon",
     "NAdam",
     "RAdam",
     "RMSprop",
@@ -72,6 +66,14 @@ __all__ = [
     "set_num_threads",
     "unpair",
 ]
+
+
+try:
+    from .optimizers import Muon as Muon  # (the "as": an explicit re-export)
+except ImportError:  # torch < 2.9: no torch.optim.Muon (``__getattr__`` below says so)
+    pass
+else:  # listed only where it exists, so that a star-import works on a torch without it
+    __all__.append("Muon")
 
 
 def __getattr__(name: str):

@@ -36,7 +36,6 @@ __all__ = [
     "RMSprop",
     "Rprop",
     "SGD",
-    "Muon",
 ]
 
 
@@ -342,6 +341,7 @@ class SGD(RoundpipeOptimizer, torch.optim.SGD):
 # torch.optim.Muon exists from torch 2.9: before, importing roundpipe.optim.Muon raises an
 # ImportError naming the installed torch (roundpipe/optim/__init__.py)
 if TYPE_CHECKING or "Muon" in STAGED_SPECS:
+    __all__.append("Muon")  # (only where it exists: star-imports work on a torch without it)
 
     class Muon(RoundpipeOptimizer, torch.optim.Muon):
         """``torch.optim.Muon`` stepped by roundpipe's CPU backends: the same arguments, defaults,

@@ -1,7 +1,7 @@
 """roundpipe.optim: CPU optimizers that are drop-in replacements for ``torch.optim``.
 
-Each class (``Adam``, ``AdamW``, ``SGD`` ..., declared in ``optimizers.py``, one per entry of the
-spec registry) subclasses its ``torch.optim`` namesake (same signature, defaults, errors, state
+Each class (``Adam``, ``AdamW``, ``SGD``, ``Adafactor`` ..., declared in ``optimizers.py``, one per
+entry of the spec registries) subclasses its ``torch.optim`` namesake (same signature, defaults, errors, state
 and ``state_dict``) and adds a keyword-only ``backend=``: ``"fast"`` (the default: the numba
 engine, one compiled parallel pass per step, bit for bit torch.optim's for-loop),
 ``"fast:torch"`` (chunked torch ops, no compiler), ``"fast:numexpr"`` (fused numexpr
@@ -13,7 +13,8 @@ the partner back, in the same pass.
 
 Where things live:
 
-* the math of every optimizer: ``roundpipe/optim/spec/<name>.py`` (one spec each);
+* the math of every optimizer: ``roundpipe/optim/spec/<name>.py`` (one spec each; Adafactor's and
+  Muon's are staged, several passes a step: ``spec/staged.py``, run by ``plan/staged.py``);
 * the statement language: ``roundpipe/optim/spec/ir.py``;
 * the backend interface: ``roundpipe/optim/backend_api.py``; the backends and their registry:
   ``roundpipe/optim/backends/``;

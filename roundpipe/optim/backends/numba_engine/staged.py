@@ -421,6 +421,20 @@ def _layout(program, dispatchers, members, tensors, shaped, nthreads, cache):
     return hit
 
 
+_abouts: dict = {}
+
+
+def _about(program) -> tuple:
+    """``(shaped, column_norms, reductions)`` of a pass's program: the first tensor of the
+    parameter's shape, whether it takes column norms, its ``(name, dim)`` norms in order."""
+    hit = _abouts.get(program)
+    if hit is None:
+        shaped = next(t for t in program.tensors if t not in dict(program.shapes))
+        reduces = tuple((st.name, st.dim) for st in program.statements if isinstance(st, Reduce))
+        hit = _abouts[program] = (shaped, any(dim == -2 for _, dim in reduces), reduces)
+    return hit
+
+
 def reproduced(program, dims, lanes) -> bool:
     """Whether the kernels reproduce ``program``'s reductions on a parameter of ``dims``: the
     column norm (``dim=-2``) of a column vector (``n == 1``) is torch's lane-wise norm of a
@@ -445,8 +459,7 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     first = tensors[0]
     dtypes = {t: _DTYPES.get(first[t].dtype) for t in names}
     kinds = tuple(first[t].dtype for t in names)
-    shaped = next(t for t in names if t not in dict(program.shapes))
-    column_norms = any(isinstance(st, Reduce) and st.dim == -2 for st in program.statements)
+    shaped, column_norms, reduces = _about(program)
     ours, others = [], []
     for k, ts in enumerate(tensors):
         column = [ts[t] for t in names]
@@ -471,27 +484,28 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     keep = []  # every tensor a launch reads by address, alive until it ran
     wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
     for variant, members in by_variant.items():
-        dispatchers, names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
+        dispatchers, row_names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
         dispatcher, items, addresses, dims = _layout(
             program, dispatchers, members, tensors, shaped, nthreads, cache.setdefault(variant, {})
         )
-        scalar_rows = _scalar_rows(names, consts, [scalars[k] for k in members])
+        scalar_rows = _scalar_rows(row_names, consts, [scalars[k] for k in members])
         out_ptrs = np.zeros((len(program.reductions), len(members)), dtype=np.int64)
-        for r, st in enumerate(st for st in program.statements if isinstance(st, Reduce)):
-            if st.dim is None:
+        for r, (name, dim) in enumerate(reduces):
+            if dim is None:
                 buffer = torch.empty(len(members), dtype=torch.float32)  # (data_ptr: no ctypes object)
-                out_ptrs[r] = buffer.data_ptr() + 4 * np.arange(len(members), dtype=np.int64)
-                wholes.append((buffer, st.name, members))
+                at = buffer.data_ptr()
+                out_ptrs[r] = at if len(members) == 1 else at + 4 * np.arange(len(members), dtype=np.int64)
+                wholes.append((buffer, name, members))
                 keep.append(buffer)
                 continue
             for c, k in enumerate(members):
                 t = tensors[k][shaped]
-                if st.dim == -1:
+                if dim == -1:
                     out = torch.empty((*t.shape[:-1], 1), dtype=torch.float32)
                 else:
                     out = torch.zeros((*t.shape[:-2], 1, t.shape[-1]), dtype=torch.float32)
                 out_ptrs[r, c] = out.data_ptr()
-                results[k][st.name] = out
+                results[k][name] = out
         calls.append((dispatcher, items, addresses, dims, scalar_rows, out_ptrs))
     for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
         if dispatcher not in _compiled:  # compile (or load) now: a launch cannot fail later

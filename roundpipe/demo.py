@@ -135,7 +135,7 @@ def build_model(size: str = "default") -> GPT:
     return GPT(vocab, d, layers, heads, context)
 
 
-def roundpipe_adamw(backend: str, optimizer: str = "AdamW"):
+def roundpipe_optimizer(backend: str, optimizer: str = "AdamW"):
     """roundpipe's ``optimizer`` (AdamW by default) on ``backend``, with the demo's settings."""
     return lambda ps: getattr(rp_optim, optimizer)(ps, backend=backend, **HYPERS[optimizer])
 
@@ -152,13 +152,13 @@ def optimizer_kinds(backend: str | None, compare=(), optimizer: str = "AdamW") -
     probe = [nn.Parameter(torch.zeros(1))]
     chosen = rp_optim.AdamW(probe, backend=backend).backend  # None: the environment, else "fast"
     kinds = {
-        f"roundpipe {chosen}": roundpipe_adamw(chosen, optimizer),
+        f"roundpipe {chosen}": roundpipe_optimizer(chosen, optimizer),
         SECOND[optimizer]: torch_second(optimizer),
         LOOP: lambda ps: torch_for_loop(ps, optimizer),
     }
     for b in compare:
         name = rp_optim.AdamW(probe, backend=b).backend  # an alias (native) resolved
-        kinds.setdefault(f"roundpipe {name}", roundpipe_adamw(name, optimizer))
+        kinds.setdefault(f"roundpipe {name}", roundpipe_optimizer(name, optimizer))
     return kinds
 
 

@@ -63,9 +63,7 @@ def run_staged_step(opt, backend: Backend, factors=None) -> None:
         caches = plan.launch_caches
         finals = _run_stages(backend, entries, caches)
         launches = [
-            backend.prepare_staged(
-                program, *_columns(program, ctxs), caches.setdefault(("last", program), {})
-            )
+            backend.prepare_staged(program, *_columns(program, ctxs), _cache(caches, "last", program))
             for program, ctxs in finals
         ]
     except BaseException:
@@ -93,7 +91,6 @@ class _GroupPlan:
         "params_list",
         "n_params",
         "stepped",
-        "indices",
         "params",
         "partners",
         "stepped_partners",
@@ -175,11 +172,12 @@ def _build(opt, spec):
 
 
 def _group_plan(spec, name, state, created, gi, group, indices, params, pairs):
+    """A param group's plan: its parameters and state validated (created where missing)."""
     spec.check_group(group)
     states = create_state(spec, group, params, state, created)[0]
     gp = _GroupPlan()
     gp.gi, gp.group, gp.params_list, gp.n_params = gi, group, group["params"], len(group["params"])
-    gp.indices, gp.params, gp.states = tuple(indices), tuple(params), tuple(states)
+    gp.params, gp.states = tuple(params), tuple(states)
     if pairs is None:
         gp.partners, gp.stepped_partners, gp.from_partner = None, None, (False,) * len(params)
     else:
@@ -275,9 +273,12 @@ def _entry(spec, name, gp, k, grad, factors, memo):
     stages = gp.stages[k]
     found = factors.for_pairing(from_partner) if factors else ()
     if found:
-        o = {**gp.options[k], "grad_factors": len(found)}
         values = {**values, **{f"grad_factor_{i}": f for i, f in enumerate(found)}}
-        stages = spec.stages(o)
+        key = (id(stages), len(found))  # (the same options share their stages: built once)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = spec.stages({**gp.options[k], "grad_factors": len(found)})
+        stages = hit
     ctx = gp.contexts[k].copy()
     ctx.update(values)
     ctx["grad"] = grad
@@ -350,12 +351,9 @@ def _write_scalars(entries):
         for n, scratch in e.scratch.items():
             by_value.setdefault(id(scratch), (scratch, []))[1].append(e.state[n])
     for scratch, tensors in by_value.values():
-        if isinstance(scratch, Scratch):
-            if len(tensors) < 4:
-                for t in tensors:
-                    t.fill_(scratch.value)
-                continue
-            value = torch.tensor(scratch.value, dtype=scratch.dtype)
+        if len(tensors) < 4:
+            for t in tensors:
+                t.fill_(scratch.value)
         else:
-            value = scratch
-        torch._foreach_copy_(tensors, [value] * len(tensors))
+            value = torch.tensor(scratch.value, dtype=scratch.dtype)
+            torch._foreach_copy_(tensors, [value] * len(tensors))

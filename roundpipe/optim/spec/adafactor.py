@@ -141,8 +141,6 @@ def _alpha(ctx):
 
 
 def _step_size(ctx):
-    if "alpha" not in ctx:
-        _alpha(ctx)
     numel = ctx["param"].numel()
     denom = max(1.0, float(ctx["update_norm"]) / ((numel**0.5) * ctx["d"]))
     ctx["neg_step"] = -ctx["alpha"] / denom
@@ -152,7 +150,7 @@ def build_stages(o):
     inputs, shapes = _inputs(o), _SHAPES if o.factored else None
     last = Pass(program({**o, "writes": True}, inputs, _step_statements, shapes))
     if not o.factored:
-        return (Pass(program(o, inputs, _measure_statements)), Between(_step_size), last)
+        return (Pass(program(o, inputs, _measure_statements)), Between(_alpha), Between(_step_size), last)
     return (
         Pass(program(o, ["param", "grad"], _measure_statements)),
         Between(_factors),

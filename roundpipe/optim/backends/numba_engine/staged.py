@@ -350,9 +350,6 @@ def _items(dims) -> np.ndarray:
     return np.asarray(items, dtype=np.int64).reshape(-1, 5)
 
 
-_row_plans: dict = {}  # a kernel's scalar names -> (the scalars they read, the complements' columns)
-
-
 def _schedule(dims, nthreads) -> np.ndarray:
     """A reducing kernel's items: the parameters spread over the threads by size (the largest
     first to the least loaded: each runs on one thread, its reductions being sequential), as
@@ -369,6 +366,9 @@ def _schedule(dims, nthreads) -> np.ndarray:
     for th, share in enumerate(shares):
         items[th * width : th * width + len(share), 0] = share
     return items
+
+
+_row_plans: dict = {}  # a kernel's scalar names -> (the scalars they read, the complements' columns)
 
 
 def _scalar_rows(names, consts, scalars) -> np.ndarray:
@@ -435,22 +435,21 @@ def _about(program) -> tuple:
     return hit
 
 
-def reproduced(program, dims, lanes) -> bool:
-    """Whether the kernels reproduce ``program``'s reductions on a parameter of ``dims``: the
-    column norm (``dim=-2``) of a column vector (``n == 1``) is torch's lane-wise norm of a
-    contiguous run, which the column loop does not follow (such a parameter's pass runs torch's
-    ops)."""
+def column_norms_reproduced(dims) -> bool:
+    """Whether the column loop reproduces torch's column norm (``dim=-2``) of a parameter of
+    ``dims``: a column vector's (``n == 1``, more than one row) is torch's lane-wise norm of a
+    contiguous run, which it does not follow (such a parameter's pass runs torch's ops)."""
     nb, m, n = dims
-    cols = any(isinstance(st, Reduce) and st.dim == -2 for st in program.statements)
-    return not cols or n != 1 or m == 1
+    return n != 1 or m == 1
 
 
 def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=None, cache=None):
     """The launch of a pass (``Backend.prepare_staged``) on the numba engine. Parameters whose
     tensors it cannot read (not contiguous, dtypes that differ between parameters) or whose
-    reductions it does not reproduce (``reproduced``) run ``fallback(program, scalars, tensors)``
-    (torch's ops) in the same launch; without one, such a pass is refused (None). ``cache``: the
-    launch's own dict, kept by the caller between steps (``_layout``)."""
+    reductions it does not reproduce (``column_norms_reproduced``) run
+    ``fallback(program, scalars, tensors)`` (torch's ops) in the same launch; without one, such
+    a pass is refused (None). ``cache``: the launch's own dict, kept by the caller between steps
+    (``_layout``)."""
     numba = import_numba()
     cache = {} if cache is None else cache
     if not tensors:
@@ -466,7 +465,7 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         ok = (
             tuple([t.dtype for t in column]) == kinds
             and all([t.is_contiguous() for t in column])
-            and (not column_norms or reproduced(program, matrix_dims(ts[shaped]), lanes))
+            and (not column_norms or column_norms_reproduced(matrix_dims(ts[shaped])))
         )
         (ours if ok else others).append(k)
     if None in dtypes.values():
@@ -575,7 +574,7 @@ def _probe_program():
     return b.build()
 
 
-# the shapes whose reductions the kernels take (``reproduced``): tails of whole-tensor and
+# the shapes whose reductions the kernels take (``column_norms_reproduced``): tails of whole-tensor and
 # single-row norms, batches, columns of one, rows a whole number of lanes long
 _PROBE_SHAPES = (
     (1, 5),

@@ -90,7 +90,8 @@ class Backend(ABC):
     ) -> Callable[[], list[dict[str, Any]]]:
         """A pass of a staged step (``spec/staged.py``): ``program`` once per parameter, the i-th
         with ``scalars[i]`` and ``tensors[i]`` (float32 tensors in their shapes, broadcast inputs
-        in theirs, scratch tensors of any dtype); everything that can fail done here. The launch
+        in theirs, scratch tensors of any dtype; ``"grad"`` may be a partner's bfloat16 or
+        float16 gradient, read widened, as ``Columns``); everything that can fail done here. The launch
         returns each parameter's reductions (``norm`` statements) by name, as torch's
         ``torch.norm(..., keepdim=True)`` returns them (a whole-tensor norm may be a float).
         ``cache``: this pass's own dict, kept by the step plan between steps, as ``prepare``'s."""

@@ -62,12 +62,12 @@ _NO_CACHE: dict = {}
 
 def staged_fusion(program, fused, tensors):
     """The fused multiply-adds of a staged pass: the engine's, or, where the pass reads a
-    low-precision tensor (Muon's bfloat16 update), what ``torch_mixed_fusion`` measured for
-    ``add`` (None: unknown, the pass runs torch's ops)."""
+    low-precision tensor in its arithmetic (Muon's bfloat16 update), what ``torch_mixed_fusion``
+    measured for ``add`` (None: unknown, the pass runs torch's ops). A partner's low-precision
+    gradient does not count: it is read widened, the fp32 master gradient torch steps."""
     fused = frozenset(fused)
-    if not tensors or all(
-        tensors[0][t].dtype == torch.float32 for t in program.tensors if t not in program.targets
-    ):
+    read = [t for t in program.tensors if t not in program.targets and t != "grad"]
+    if not tensors or all(tensors[0][t].dtype == torch.float32 for t in read):
         return fused
     mixed = numba_staged.torch_mixed_fusion()
     if mixed is None:

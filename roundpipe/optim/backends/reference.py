@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
+
 from ..backend_api import Backend
 from ..spec.ir import Assign, Bin, Call, Const, Let, Reduce, Scalar, Tensor
 from . import composed, segments
@@ -53,8 +55,16 @@ def run_program(program, scalars, tensors):
 
 
 def run_staged(program, scalars, tensors):
-    """A staged step's pass: ``run_program`` on each parameter in turn; their reductions."""
-    return [run_program(program, s, t) for s, t in zip(scalars, tensors, strict=True)]
+    """A staged step's pass: ``run_program`` on each parameter in turn; their reductions. A
+    partner's low-precision gradient is widened first: the fp32 master gradient torch steps."""
+    return [run_program(program, s, _widened(t)) for s, t in zip(scalars, tensors, strict=True)]
+
+
+def _widened(tensors):
+    grad = tensors.get("grad")
+    if grad is None or grad.dtype == torch.float32:
+        return tensors
+    return {**tensors, "grad": grad.float()}
 
 
 class ReferenceBackend(Backend):

@@ -35,9 +35,6 @@ from .checks import (
 from .state import create_state, rollback
 from .step_plan import stepped_work
 
-_LOW = (torch.bfloat16, torch.float16)
-
-
 _PLAN = "_roundpipe_staged_plan"  # the optimizer's _StagedPlan, in its __dict__
 
 
@@ -266,8 +263,6 @@ def _check_state(st, names, where):
 
 def _entry(spec, name, gp, k, grad, factors, memo):
     from_partner = gp.from_partner[k]
-    if grad.dtype in _LOW:  # a partner's gradient, as the fp32 master gradient torch would step
-        grad = grad.float()
     st = gp.states[k]
     scratch, values = _scalars(spec, name, gp.gi, gp.group, st, memo)
     stages = gp.stages[k]

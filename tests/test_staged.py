@@ -301,3 +301,52 @@ def test_a_torch_without_muon(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+
+
+def _factored_last_pass():
+    spec = STAGED_SPECS["Adafactor"]
+    last = spec.stages({"maximize": False, "weight_decay": False, "factored": True})[-1]
+    return last.program
+
+
+def _spread_floats(n, seed, lo_exp, hi_exp):
+    """Float32 of random significands over ``[2**lo_exp, 2**hi_exp)``."""
+    gen = torch.Generator().manual_seed(seed)
+    significand = 1 + torch.rand(n, generator=gen, dtype=torch.float64)
+    exponent = torch.randint(lo_exp, hi_exp, (n,), generator=gen).double()
+    return (significand * torch.pow(2.0, exponent)).float()
+
+
+@pytest.mark.parametrize(
+    "eps1_sq",
+    [2.0**-126, 1e-14, 0.0, 2.0**-140],
+    ids=["smallest-normal", "default", "zero", "subnormal"],
+)
+def test_adafactors_clamped_quotient_is_torchs(eps1_sq):
+    """``clamp_min(row * col / row_scale, eps1 ** 2)``: through a float64 reciprocal where the floor
+    is a normal float32 (``staged.clamped_quotients``), by float32 division below it; either way
+    torch's bits, quotients spread over every exponent, subnormal ones included."""
+    program = _factored_last_pass()
+    assert numba_staged.clamped_quotients(program) == ("eps1_sq",)
+    m, n = 64, 1024
+    row = _spread_floats(m, 1, -80, 20).reshape(m, 1)
+    col = _spread_floats(n, 2, -80, 20).reshape(1, n)
+    # products 49 * (2k + 1) * 2**-149 and 103 * (2k + 1) * 2**-149: over 98 and 206, subnormal
+    # quotients exactly halfway between two subnormals, where float64's reciprocal rounds some the
+    # wrong way (found by search)
+    row[:4] = 2.0**-100
+    odd = torch.arange(1, 2 * 32, 2, dtype=torch.float64)
+    col[0, :32], col[0, 32:64] = (49 * odd * 2.0**-49).float(), (103 * odd * 2.0**-49).float()
+    grad = _randn((m, n), 3)
+    for scale in (0.37, 3.0e-20, 2.5e15, 98.0, 206.0):
+        row_scale = torch.tensor([[scale]], dtype=torch.float32)
+        param = _randn((m, n), 4)
+        expected = param.clone()
+        var = (row @ col).div_(row_scale).clamp_(min=torch.tensor(eps1_sq, dtype=torch.float32).item())
+        expected.add_(var.rsqrt_().mul_(grad), alpha=-0.01)
+        scalars = {"eps1_sq": eps1_sq, "neg_step": -0.01, "weight_decay_factor": 1.0}
+        tensors = {"param": param, "grad": grad, "row_factor": row, "col_factor": col, "row_scale": row_scale}
+        ro.backends.get("fast:numba").prepare_staged(program, [scalars], [tensors])()
+        assert_bits_equal(param, expected)
+    fast = numba_staged.floor_variant({"eps1_sq": eps1_sq}, ("eps1_sq",)) == (True,)
+    assert fast == (eps1_sq >= 2.0**-126)

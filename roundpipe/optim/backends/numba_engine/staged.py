@@ -19,10 +19,12 @@ Broadcast inputs are read at the element's row (``rows``), column (``cols``) or 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
-from ...spec.ir import Assign, Let, Reduce
+from ...spec.ir import Assign, Bin, Call, Let, Reduce, Scalar, Tensor, walk
 from .. import CompileCache
 from ..formulas import Lowering, lerp_variant, lerp_weights
 from ..numba_engine.config import GENERATOR_VERSION, PARALLEL_MIN_NUMEL, import_numba
@@ -34,13 +36,57 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 ITEM_NUMEL = 1 << 16
 
 
+# the smallest normal float32: a quotient at least this large (or zero, infinite, NaN) is the
+# same through a float64 reciprocal as through a float32 division (``clamped_quotients``)
+_MIN_NORMAL = 2.0**-126
+
+
+@functools.lru_cache(maxsize=256)
+def clamped_quotients(program) -> tuple:
+    """The scalar floors ``lo`` of the program's ``clamp_min(a / t, lo)``, ``t`` a broadcast input
+    of one value per matrix (Adafactor's ``row_scale``), in order of first use.
+
+    Where the launch's float32 ``lo`` is at least the smallest normal float32, such a quotient is
+    computed as ``float32(float64(a) * (1 / float64(t)))``, the reciprocal taken once per row: a
+    quotient of two float32 is never within 2**-49 (relative) of a float32 midpoint (its odd
+    part would need 25 bits), further than the float64 product's error (2**-52), so every
+    normal result, zero, infinity and NaN is the correctly rounded one; a subnormal one may
+    differ, and the clamp takes both to ``lo``. Multiplying costs a fraction of a float32
+    division, the pass's dearest operation after the root."""
+    shapes = dict(program.shapes)
+    floors = []
+    for st in program.statements:
+        for node in walk(st.expr):
+            if _clamped_quotient(node, shapes) and node.args[1].name not in floors:
+                floors.append(node.args[1].name)
+    return tuple(floors)
+
+
+def _clamped_quotient(node, shapes) -> bool:
+    if not (isinstance(node, Call) and node.fn == "clamp_min" and isinstance(node.args[1], Scalar)):
+        return False
+    x = node.args[0]
+    return (
+        isinstance(x, Bin) and x.op == "/" and isinstance(x.b, Tensor) and shapes.get(x.b.name) == "matrices"
+    )
+
+
+def floor_variant(scalars: dict, floors) -> tuple:
+    """Which of ``clamped_quotients``' floors are at least the smallest normal float32 (compared
+    in float32, as the kernel reads them; a NaN is not)."""
+    return tuple([bool(np.float32(scalars[f]) >= _MIN_NORMAL) for f in floors])
+
+
 class _Dialect(Lowering):
     """Formulas as numba source over the element's locals (``names``)."""
 
-    def __init__(self, program, variant, fused):
+    def __init__(self, program, variant, fused, floors=()):
         super().__init__(program, variant, fused)
         self.names: dict = {}
         self.uses_fma = False
+        self.shapes = dict(program.shapes)
+        self.normal_floors = {f for f, ok in zip(clamped_quotients(program), floors, strict=True) if ok}
+        self.reciprocals: list = []  # broadcast inputs read as a float64 reciprocal, once per row
 
     def tensor(self, name):
         return self.names[name]
@@ -60,6 +106,16 @@ class _Dialect(Lowering):
     def fma(self, a, b, c):
         self.uses_fma = True
         return f"fma({a}, {b}, {c})"
+
+    def fn_clamp_min(self, x, lo):
+        if not (_clamped_quotient(Call("clamp_min", (x, lo)), self.shapes) and lo.name in self.normal_floors):
+            return super().fn_clamp_min(x, lo)
+        t = x.b.name
+        if t not in self.reciprocals:
+            self.reciprocals.append(t)
+        q = f"np.float32(np.float64({self(x.a)}) * rcp_{t})"
+        lo = self.scalar(lo.name)
+        return self.select(f"{q} < {lo}", lo, q)
 
 
 def _element_code(program, dialect, dtypes, index, loads):
@@ -122,26 +178,30 @@ def _setup(names):
     ]
 
 
-def generate(program, variant, fused, dtypes, lanes=8, order=(False, True)):
-    """``(source, row names, constants)`` of ``program``'s kernel, ``kernel(...)``."""
-    dialect = _Dialect(program, variant, fused)
+def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floors=()):
+    """``(source, row names, constants)`` of ``program``'s kernel, ``kernel(...)``; ``floors``:
+    ``floor_variant`` of the launch's scalars."""
+    dialect = _Dialect(program, variant, fused, floors)
     shapes = dict(program.shapes)
     loads = _loads(shapes)
     body, stores, reduced = _element_code(program, dialect, dtypes, "i", loads)
     names = (*sorted(dialect.scalars), *sorted(dialect.consts))
     views = _views(program, shapes, dtypes)
+    # per row: the reciprocals of a matrix's broadcast values (``clamped_quotients``)
+    per_row = [f"rcp_{t} = 1.0 / np.float64(v_{t}[{loads[t]}])" for t in dialect.reciprocals]
     if program.reductions:
         if program.targets:
             raise ValueError("a staged pass either assigns or reduces")
-        kernel = _reducing(program, body, reduced, lanes, order, names, views)
+        kernel = _reducing(program, body, reduced, lanes, order, names, views, per_row)
     else:
-        kernel = _elementwise(body, stores, names, views)
+        kernel = _elementwise(body, stores, names, views, per_row)
     low = sorted({d for d in dtypes.values() if d != "float32"})
     conversions = [f"{w}_{d}" for d in low for w in ("widen", "narrow")]
     lines = [
         f"# Generated by {_PACKAGE}.staged (do not edit), generator version {GENERATOR_VERSION}:",
         *(f"#   {line}" for line in str(program).splitlines()),
-        f"# lerp variant {tuple(variant)!r}, fused {sorted(dialect.fused)!r}, lanes {lanes}, "
+        f"# lerp variant {tuple(variant)!r}, normal floors {tuple(floors)!r}, "
+        f"fused {sorted(dialect.fused)!r}, lanes {lanes}, "
         f"(column fma, tail fma) {order}, dtypes {sorted(dtypes.items())!r}",
         "import numpy as np",
         "from numba import prange",
@@ -161,7 +221,7 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True)):
     return "\n".join(lines) + "\n", tuple(sorted(dialect.scalars)), consts
 
 
-def _elementwise(body, stores, names, views):
+def _elementwise(body, stores, names, views, per_row):
     """Items ``(p, r0, r1, j0, j1)``: rows ``[r0, r1)`` of parameter ``p``, columns ``[j0, j1)``."""
     return [
         "def kernel_parallel(items, addresses, dims, scalar_rows, outs):",
@@ -172,6 +232,7 @@ def _elementwise(body, stores, names, views):
         *_indent(views, 2),
         "        for r in range(items[it, 1], items[it, 2]):",
         "            b = r // m",
+        *_indent(per_row, 3),
         "            for j in range(items[it, 3], items[it, 4]):",
         "                i = r * n + j",
         *_indent(body, 4),
@@ -194,7 +255,7 @@ def _tail_step(acc, v, index, length, tail_fma):
     ]
 
 
-def _reducing(program, body, reduced, lanes, order, names, views):
+def _reducing(program, body, reduced, lanes, order, names, views, per_row):
     """One parameter a thread; the reductions in torch's order (see the module docstring).
 
     Where the lanes of the whole-tensor norm line up with each row's (rows a whole number of
@@ -272,6 +333,7 @@ def _reducing(program, body, reduced, lanes, order, names, views):
         f"        aligned = n % {lanes} == 0 or rows == 1",
         "        for r in range(rows):",
         "            b = r // m",
+        *_indent(per_row, 3),
         *_indent(row_start, 3),
         "            if aligned:",
         "                for start in range(0, cut, BLOCK):",
@@ -308,15 +370,15 @@ _compiled: set = set()  # the dispatchers called once (compiled or loaded), by i
 _parallel: set = set()  # the parallel ones
 
 
-def compile_pass(program, variant, fused, dtypes, lanes, order):
+def compile_pass(program, variant, fused, dtypes, lanes, order, floors=()):
     """``(dispatcher, scalar names, constants)`` for a pass; compiled once per process (and
     kept in the disk cache, as the engine's kernels are)."""
-    key = (program, variant, fused, tuple(dtypes.values()), lanes, order)
-    return _kernels.get(key, lambda: _compile(program, variant, fused, dtypes, lanes, order))
+    key = (program, variant, fused, tuple(dtypes.values()), lanes, order, floors)
+    return _kernels.get(key, lambda: _compile(program, variant, fused, dtypes, lanes, order, floors))
 
 
-def _compile(program, variant, fused, dtypes, lanes, order):
-    source, names, consts = generate(program, variant, fused, dtypes, lanes, order)
+def _compile(program, variant, fused, dtypes, lanes, order, floors):
+    source, names, consts = generate(program, variant, fused, dtypes, lanes, order, floors)
     parallel, serial, _ = jit_module(import_numba(), "roundpipe_staged_", source)
     _parallel.add(parallel)
     return (parallel, serial), names, consts
@@ -472,18 +534,20 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         ours, others = [], list(range(len(tensors)))
     if others and fallback is None:
         return None
-    weights = lerp_weights(program)
+    weights, floors = lerp_weights(program), clamped_quotients(program)
     by_variant: dict = {}
-    if weights:
+    if weights or floors:
         for k in ours:
-            by_variant.setdefault(lerp_variant(scalars[k], weights), []).append(k)
+            key = (lerp_variant(scalars[k], weights), floor_variant(scalars[k], floors))
+            by_variant.setdefault(key, []).append(k)
     elif ours:
-        by_variant[()] = ours
+        by_variant[((), ())] = ours
     calls, results = [], [dict() for _ in tensors]
     keep = []  # every tensor a launch reads by address, alive until it ran
     wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
     for variant, members in by_variant.items():
-        dispatchers, row_names, consts = compile_pass(program, variant, fused, dtypes, lanes, order)
+        lerps, floors = variant
+        dispatchers, row_names, consts = compile_pass(program, lerps, fused, dtypes, lanes, order, floors)
         dispatcher, items, addresses, dims = _layout(
             program, dispatchers, members, tensors, shaped, nthreads, cache.setdefault(variant, {})
         )

@@ -1,7 +1,9 @@
 """The benchmark (``roundpipe/optim/bench/``, with ``bench/fsdp.py``) still runs (tiny
 configurations, a few seconds each; no timings are asserted).
 
-It is never given ``--threads``: that would set numexpr's thread count for the tests after these.
+Only the one-thread tests give ``--threads`` or change a thread count, each restoring torch's
+and numexpr's counts after it (``threads_restored``): a run given ``--threads`` leaves them set
+for the tests after it.
 """
 
 import importlib
@@ -9,13 +11,15 @@ import json
 import os
 import time
 
+import numexpr
 import pytest
 import torch
 
+import roundpipe.optim.threads as rp_threads
 from roundpipe import demo
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim import bench
-from roundpipe.optim.bench import cli, first_use, partners, workloads
+from roundpipe.optim.bench import cli, first_use, partners, timing, workloads
 
 traffic_module = importlib.import_module("roundpipe.optim.bench.traffic")  # bench.traffic: the function
 
@@ -25,6 +29,53 @@ def _tiny(monkeypatch, shapes=((3,), (100,), (5, 7))):
     one's 2,006 tensors take seconds on torch's for-loop)."""
     tiny = bench.Workload("small", f"{len(shapes)} tensors", tuple(shapes))
     monkeypatch.setattr(cli, "workload_parts", lambda name, quick: [tiny])
+
+
+def _tiny_named(monkeypatch, shapes=((3,), (100,), (5, 7))):
+    """Every --workloads name runs one tiny workload under its own name (``large`` among them:
+    the summary's and the one-thread pass's workload)."""
+    monkeypatch.setattr(
+        cli, "workload_parts", lambda name, quick: [bench.Workload(name, f"{len(shapes)} tensors", shapes)]
+    )
+
+
+@pytest.fixture
+def threads_restored():
+    """torch's and numexpr's thread counts put back after the test, as they were before it."""
+    before = torch.get_num_threads(), numexpr.get_num_threads()
+    yield before
+    torch.set_num_threads(before[0])
+    numexpr.set_num_threads(before[1])
+
+
+@pytest.fixture
+def two_threads(monkeypatch, threads_restored):
+    """The run at 2 threads on (what it reads as) 2 cpus, so that it takes its one-thread pass
+    (the tests run at OMP_NUM_THREADS=1, and a CI machine may have one cpu)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    torch.set_num_threads(2)
+    return threads_restored
+
+
+def _threads_at_make(monkeypatch, fail_at_one=False):
+    """Each configuration ``bench_one`` makes, with the threads torch, numexpr and roundpipe's
+    step then run on; with ``fail_at_one``, roundpipe's default backend raises at one thread."""
+    made = []
+    real = timing.make_optimizer
+
+    def make(config, name, params, per_param=False):
+        threads = (torch.get_num_threads(), numexpr.get_num_threads(), rp_threads.get_num_threads())
+        made.append((config, name, threads))
+        if fail_at_one and config == "rp fast" and threads[2] == 1:
+            raise RuntimeError("broken at one thread")
+        return real(config, name, params, per_param)
+
+    monkeypatch.setattr(timing, "make_optimizer", make)
+    return made
+
+
+def _summary(text: str) -> str:
+    return text[text.index("summary: roundpipe fast against torch's fastest path") :]
 
 
 def test_traffic_is_derived_from_the_programs():
@@ -52,7 +103,7 @@ def test_help_names_every_mode(capsys):
         bench.parse_args(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--busy", "--first-use", "--model", "--plot", "--json", "per_param"):
+    for option in ("--busy", "--first-use", "--model", "--plot", "--json", "per_param", "--no-one-thread"):
         assert option in text
 
 
@@ -409,3 +460,137 @@ def test_bench_runs_muon_on_matrices_with_its_newton_schulz_apart(tmp_path, caps
     import torch.optim._muon as muon
 
     assert muon._zeropower_via_newtonschulz.__name__ == "_zeropower_via_newtonschulz"  # unwrapped
+
+
+def test_summary_at_the_run_s_threads_and_at_one_thread(tmp_path, capsys, monkeypatch, two_threads):
+    """A default run takes a one-thread pass (roundpipe's default backend against torch's fastest
+    path, on large and transformer, every optimizer but Muon) and ends with the summary, a column
+    at the run's threads and one at one thread; the thread counts are restored afterwards."""
+    _tiny_named(monkeypatch)
+    made = _threads_at_make(monkeypatch)
+    names = "Adam,SGD,Adafactor" + (",Muon" if "Muon" in bench.ALL_OPTIMIZERS else "")
+    out = tmp_path / "bench.json"
+    argv = f"--quick --optimizers {names} --workloads large,small --repeats 1 --warmup 0 --json {out}"
+    assert bench.main(argv.split()) == 0
+    assert (torch.get_num_threads(), numexpr.get_num_threads()) == (2, two_threads[1])
+    assert rp_threads._num_threads is None and rp_threads.get_num_threads() == 2
+    # the pass: only its configurations at one thread, every pool at one thread
+    at_one = [(c, n) for c, n, threads in made if threads == (1, 1, 1)]
+    assert at_one == [
+        ("rp fast", "Adam"),
+        ("torch fused", "Adam"),
+        ("rp fast", "SGD"),
+        ("torch fused", "SGD"),
+        ("rp fast", "Adafactor"),
+        ("torch for-loop", "Adafactor"),
+        ("torch foreach", "Adafactor"),
+    ]
+    assert all(threads[0] == 2 and threads[2] == 2 for c, n, threads in made if (c, n) not in at_one)
+    summary = _summary(capsys.readouterr().out)
+    lines = summary.splitlines()
+    assert "1 thread: every thread pool at one thread, as on each rank of a torchrun launch" in lines[1]
+    assert [c.strip() for c in lines[2].split(" | ")] == [
+        "workload",
+        "optimizer",
+        "torch path",
+        "2 threads",
+        "1 thread",
+    ]
+    rows = [[c.strip() for c in line.split(" | ")] for line in lines[4:]]
+    assert [r[:3] for r in rows][:2] == [["large", "Adam", "fused"], ["large", "SGD", "fused"]]
+    assert rows[2][:2] == ["large", "Adafactor"] and rows[2][2] in (
+        "for-loop",
+        "foreach",
+        "for-loop / foreach",
+        "foreach / for-loop",
+    )
+    assert len(rows) == 3 and all(r[3].endswith("x") and r[4].endswith("x") for r in rows)  # no small, Muon
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["one_thread_skipped"] is None
+    assert doc["one_thread"]["threads"] == {"torch": 1, "numexpr": 1, "roundpipe": 1}
+    one = doc["one_thread"]["workloads"]
+    assert list(one) == ["large"] and list(one["large"]["optimizers"]) == ["Adam", "SGD", "Adafactor"]
+    assert list(one["large"]["optimizers"]["Adam"]["median_ms"]) == ["fast", "fused"]
+    assert [(r["workload"], r["optimizer"]) for r in doc["summary"]] == [
+        ("large", "Adam"),
+        ("large", "SGD"),
+        ("large", "Adafactor"),
+    ]
+    for r in doc["summary"]:
+        for cell in (r["run"], r["one_thread"]):
+            assert cell["error"] is None and cell["ratio"] == pytest.approx(cell["torch_ms"] / cell["rp_ms"])
+    assert doc["summary"][0]["one_thread"]["rp_ms"] == one["large"]["optimizers"]["Adam"]["median_ms"]["fast"]
+
+
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        ("--no-one-thread", "--no-one-thread"),
+        ("--threads 2", "--threads 2: the whole run is at that count"),
+        ("--threads 1", "--threads 1: the whole run is at that count"),
+    ],
+)
+def test_no_one_thread_pass(tmp_path, capsys, monkeypatch, two_threads, flags, why):
+    """--no-one-thread, or --threads (the whole run at that count): no pass, the summary's column
+    at the run's threads alone, and a line that says why."""
+    _tiny_named(monkeypatch)
+    made = _threads_at_make(monkeypatch)
+    out = tmp_path / "bench.json"
+    argv = f"--quick --optimizers Adam,SGD --workloads large --repeats 1 --warmup 0 {flags} --json {out}"
+    assert bench.main(argv.split()) == 0
+    n = int(flags.split()[1]) if flags.startswith("--threads") else 2
+    assert {(threads[0], threads[2]) for _, _, threads in made} == {(n, n)}  # none at another count
+    assert cli.parse_args([]).no_one_thread is False
+    summary = _summary(capsys.readouterr().out)
+    assert f"no one-thread column: {why}" in summary
+    head = [c.strip() for c in summary.splitlines()[2].split(" | ")]
+    assert head == ["workload", "optimizer", "torch path", f"{n} thread" + ("s" if n > 1 else "")]
+    assert "1 thread: every thread pool at one thread" not in summary
+    doc = json.loads(out.read_text())
+    assert "one_thread" not in doc and doc["meta"]["one_thread_skipped"] == why
+    assert [r["one_thread"] for r in doc["summary"]] == [None, None]
+
+
+def test_no_one_thread_pass_on_one_thread_or_without_its_workloads(capsys, monkeypatch, threads_restored):
+    _tiny_named(monkeypatch)
+    torch.set_num_threads(1)  # as under OMP_NUM_THREADS=1 (these tests' own setting)
+    argv = "--quick --optimizers Adam --workloads large --repeats 1 --warmup 0"
+    assert bench.main(argv.split()) == 0
+    text = capsys.readouterr().out
+    assert "no one-thread column: the run is at one thread already" in _summary(text)
+    torch.set_num_threads(2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert bench.main(argv.replace("large", "small").split()) == 0
+    assert "summary:" not in capsys.readouterr().out  # small has no summary rows
+
+
+def test_one_thread_error_shows_in_the_summary(tmp_path, capsys, monkeypatch, two_threads):
+    """roundpipe failing only at one thread: an ERROR cell and its message in the summary, a
+    failure (exit status 1), no crash, and the thread counts restored."""
+    _tiny_named(monkeypatch)
+    _threads_at_make(monkeypatch, fail_at_one=True)
+    out = tmp_path / "bench.json"
+    argv = f"--quick --optimizers Adam --workloads large --repeats 1 --warmup 0 --json {out}"
+    assert bench.main(argv.split()) == 1
+    assert torch.get_num_threads() == 2 and rp_threads._num_threads is None
+    text = capsys.readouterr().out
+    assert "large Adam fast (one thread): RuntimeError: broken at one thread" in text  # FAILURES
+    summary = _summary(text)
+    row = [c.strip() for c in summary.splitlines()[4].split(" | ")]
+    assert row[:3] == ["large", "Adam", "fused"] and row[3].endswith("x") and row[4] == "ERROR"
+    assert "large Adam, 1 thread: RuntimeError: broken at one thread" in summary
+    cell = json.loads(out.read_text())["summary"][0]["one_thread"]
+    assert cell["ratio"] is None and cell["error"] == "RuntimeError: broken at one thread"
+
+
+def test_one_thread_restores_the_counts_on_error(threads_restored):
+    torch.set_num_threads(2)
+    numexpr.set_num_threads(2)
+    rp_threads.set_num_threads(3)
+    try:
+        with pytest.raises(KeyboardInterrupt), timing.one_thread() as threads:
+            assert threads == {"torch": 1, "numexpr": 1, "roundpipe": 1}
+            raise KeyboardInterrupt
+        assert (torch.get_num_threads(), numexpr.get_num_threads(), rp_threads.get_num_threads()) == (2, 2, 3)
+    finally:
+        rp_threads.set_num_threads(None)

@@ -2,7 +2,8 @@
 
     python -m roundpipe.optim.bench [--quick] [--optimizers Adam,SGD] [--workloads small,per_param]
                                     [--backends fast,fast:torch | all] [--busy N] [--repeats N]
-                                    [--warmup N] [--threads N] [--json PATH] [--plot PATH.png]
+                                    [--warmup N] [--threads N | --no-one-thread] [--json PATH]
+                                    [--plot PATH.png]
     python -m roundpipe.optim.bench --first-use [--model default|small] [--json PATH]
     python -m roundpipe.optim.bench --partners [bfloat16|float16] [--quick] [--optimizers ...]
                                     [--workloads large,small,transformer] [--busy N] [--repeats N]
@@ -61,6 +62,18 @@ Methodology (the machine may be shared and noisy):
   first measurement and stops them after the last, to measure a machine that is doing other
   work too (data loading, the Python main thread, feeding a GPU): compare with a quiet run.
 
+The report ends with a summary: on ``large`` and ``transformer`` (the kernels' time, not a
+per-call overhead), for every optimizer but Muon, torch's fastest path (fused where it has a CPU
+kernel, else the faster of the for-loop and foreach) over roundpipe's default backend, a ratio of
+medians, at the run's thread count and at one thread. ``torchrun`` sets ``OMP_NUM_THREADS=1`` on
+every rank, so a step there runs on one thread: after the run, a one-thread pass times those
+configurations again, the same way, with torch's, numexpr's and roundpipe's thread counts at 1
+(``timing.one_thread``; restored afterwards), so a regression at one thread shows next to the
+many-thread ratio. It is skipped with ``--no-one-thread``, with ``--threads N`` (the whole run is
+at that count) and where the run is at one thread already; the JSON document holds its rows
+under ``one_thread`` and the summary under ``summary``. A roundpipe error in the pass shows in
+its cell (and makes the exit status 1).
+
 ``--quick`` (a few minutes on 2 idle vCPUs with the default backend; ``all`` takes longer):
 1 warm-up step and 3 repetitions instead of 2 and 7; ``large`` is 4 x 2M elements instead of
 4 x 16M (still 128 MiB of Adam state, far above L3); ``transformer`` keeps d=512 but has a
@@ -91,9 +104,9 @@ tensor equal bit for bit; a difference is reported and makes the exit status 1.
 
 Modules: ``workloads`` (options, shapes, the configurations and the check against torch),
 ``traffic`` (bytes per element from the spec), ``timing`` (the round-robin loop, the bandwidth
-probe, ``--busy`` workers, threads), ``report`` (tables, JSON, plot), ``engine`` (which engine
-``fast`` runs), ``first_use`` (``--first-use``), ``partners`` (``--partners``), ``cli``
-(arguments, the run, ``main``).
+probe, ``--busy`` workers, threads), ``report`` (tables, the summary, JSON, plot), ``engine``
+(which engine ``fast`` runs), ``first_use`` (``--first-use``), ``partners`` (``--partners``),
+``cli`` (arguments, the run and its one-thread pass, ``main``).
 """
 
 from .cli import ALL_BACKENDS, _backends, _names, machine_meta, main, parse_args, run

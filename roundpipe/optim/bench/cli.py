@@ -29,6 +29,7 @@ from .timing import (
     busy,
     log,
     measure_bandwidth,
+    one_thread,
     set_threads,
     summarize_bandwidth,
     thread_pools,
@@ -40,12 +41,15 @@ from .workloads import (
     FUSED,
     LOOP,
     OPTIONS,
+    SUMMARY_WORKLOADS,
     WORKLOAD_NAMES,
     WORKLOADS,
     check,
     check_kind,
+    fastest_torch,
     has_foreach,
     has_fused,
+    in_summary,
     is_staged,
     label,
     make_workload,
@@ -124,14 +128,21 @@ def run(args, busy_pids=()) -> dict:
         f"roundpipe {meta['roundpipe_threads']}; warm-up {warmup}, repetitions {repeats}; "
         f"engines: {engines}; busy processes: {args.busy}"
     )
+    parts = [w for name in args.workloads for w in workload_parts(name, quick)]
+    parts = [w for k, w in enumerate(parts) if w.name not in {v.name for v in parts[:k]}]
+    if partners_dtype:
+        meta["one_thread_skipped"] = "--partners times its own table"
+    else:
+        meta["one_thread_skipped"] = one_thread_skipped(args, parts)
+        if meta["one_thread_skipped"]:
+            log(f"one-thread pass: skipped ({meta['one_thread_skipped']})")
     log("measuring memory bandwidth ...")
     bw_samples = measure_bandwidth(bw_numel, bw_repeats)
 
     before = ForwardBackward() if meta["after_backward"] else None
     t_start = time.perf_counter()
     results = {}
-    parts = [w for name in args.workloads for w in workload_parts(name, quick)]
-    parts = [w for k, w in enumerate(parts) if w.name not in {v.name for v in parts[:k]}]
+    one = None
     with FallbackWatch() as watch:
         for wl in parts:
             base_params, base_grads = make_workload(wl)
@@ -187,6 +198,8 @@ def run(args, busy_pids=()) -> dict:
             }
             del base_params, base_grads
             gc.collect()
+        if not meta["one_thread_skipped"]:
+            one = one_thread_pass(args.optimizers, fused, parts, warmup, repeats, before)
     meta["fast_engine"] = fast_engine(watch.messages)
     meta["check_kind"] = {b: check_kind(b) for b in args.backends}  # "bit for bit" or "close"
 
@@ -197,7 +210,70 @@ def run(args, busy_pids=()) -> dict:
     meta["elapsed_s"] = time.perf_counter() - t_start
     meta["thread_pools"] = thread_pools()
     meta["threading"] = rp_threads.threading_report()["summary"]
-    return {"meta": meta, "bandwidth": bandwidth, "workloads": results}
+    out = {"meta": meta, "bandwidth": bandwidth, "workloads": results}
+    if one is not None:
+        out["one_thread"] = one
+    return out
+
+
+def one_thread_skipped(args, parts) -> str | None:
+    """Why a normal run takes no one-thread pass (``one_thread_pass``), or None if it takes one."""
+    if getattr(args, "no_one_thread", False):
+        return "--no-one-thread"
+    if args.threads:
+        return f"--threads {args.threads}: the whole run is at that count"
+    if min(os.cpu_count() or 1, torch.get_num_threads()) == 1:
+        return "the run is at one thread already"
+    if not any(w.name in SUMMARY_WORKLOADS for w in parts):
+        return f"no {' or '.join(SUMMARY_WORKLOADS)} workload in the run"
+    if not any(in_summary(n) for n in args.optimizers):
+        return "no optimizer of the summary in the run"
+    return None
+
+
+def one_thread_pass(optimizers, fused, parts, warmup, repeats, before=None) -> dict:
+    """The summary's one-thread column: with every pool at one thread (``timing.one_thread``), as
+    on each rank of a ``torchrun`` launch, roundpipe's default backend and torch's fastest paths
+    (``fastest_torch``) timed by ``bench_one`` as in the run, on its ``SUMMARY_WORKLOADS``, for
+    each optimizer ``in_summary``; no checks (the run's own did them). Its workloads' tensors
+    are made again (seeded: the same values)."""
+    out: dict = {"workloads": {}}
+    with one_thread() as threads:
+        out["threads"] = threads
+        log(
+            f"one-thread pass: threads: torch {threads['torch']}, numexpr {threads['numexpr']}, "
+            f"roundpipe {threads['roundpipe']}"
+        )
+        for wl in parts:
+            if wl.name not in SUMMARY_WORKLOADS:
+                continue
+            base_params, base_grads = make_workload(wl)
+            rows = []
+            for name in optimizers:
+                if not in_summary(name):
+                    continue
+                keep, _ = tensors_for(name, [tuple(p.shape) for p in base_params])
+                if not keep:
+                    continue
+                t0 = time.perf_counter()
+                configs = ["rp " + rp_backends.DEFAULT, *fastest_torch(name, fused[name])]
+                row = bench_one(
+                    name,
+                    configs,
+                    [base_params[i] for i in keep],
+                    [base_grads[i] for i in keep],
+                    warmup,
+                    repeats,
+                    wl.name,
+                    before=before,
+                )
+                times = ", ".join(f"{label(c)} {ms:.2f}" for c, ms in row.median_ms.items())
+                log(f"  [{wl.name}, 1 thread] {name}: {times} ms  ({time.perf_counter() - t0:.1f}s)")
+                rows.append(row)
+            out["workloads"][wl.name] = {"rows": rows}
+            del base_params, base_grads
+            gc.collect()
+    return out
 
 
 def bench_row(backends, name, fused, wl, base_params, base_grads, warmup, repeats, before=None):
@@ -352,7 +428,19 @@ def _parser():
     )
     p.add_argument("--repeats", type=int, help="round-robin repetitions (default 7, --quick 3)")
     p.add_argument("--warmup", type=int, help="warm-up steps per configuration (default 2, --quick 1)")
-    p.add_argument("--threads", type=int, help="set torch's and numexpr's thread counts")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="set torch's and numexpr's thread counts (the whole run at that count: no one-thread pass)",
+    )
+    p.add_argument(
+        "--no-one-thread",
+        action="store_true",
+        help="skip the one-thread pass: by default, after the run, roundpipe's default backend and "
+        "torch's fastest path are timed again with every thread pool at one thread (as each rank "
+        f"of a torchrun launch, which sets OMP_NUM_THREADS=1), on {' and '.join(SUMMARY_WORKLOADS)}, "
+        "for the summary's one-thread column; skipped anyway with --threads or on one thread",
+    )
     p.add_argument("--json", metavar="PATH", help="write all results (every sample) as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="draw a chart (needs matplotlib: the 'plot' extra)")
     p.add_argument(

@@ -5,8 +5,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from roundpipe.optim import backends as rp_backends
+
 from .timing import Row
-from .workloads import FOREACH, FUSED, LOOP, OPTIONS, TORCH_CONFIGS, is_staged, label
+from .workloads import (
+    FOREACH,
+    FUSED,
+    LOOP,
+    OPTIONS,
+    SUMMARY_WORKLOADS,
+    TORCH_CONFIGS,
+    fastest_torch,
+    in_summary,
+    is_staged,
+    label,
+)
 
 
 def configs_of(backends, per_param: bool = False) -> list[str]:
@@ -52,12 +65,13 @@ def fmt_bytes(v):
     return "n/a" if v is None else str(v) if v == int(v) else f"{v:.2f}"
 
 
-def _table(header, lines) -> list[str]:
+def _table(header, lines, left: int = 1) -> list[str]:
+    """The lines of a table: its first ``left`` columns (names) flush left, the rest right."""
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
 
     def fmt(cells):
         pairs = zip(cells, widths, strict=True)
-        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(pairs))
+        return " | ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(pairs))
 
     return [fmt(header), "-+-".join("-" * w for w in widths), *[fmt(c) for c in lines]]
 
@@ -261,6 +275,118 @@ def report(result: dict, backends) -> str:
     if failures:
         out += ["", "FAILURES (roundpipe errors or mismatches with torch; no speedup reported):"]
         out += [f"  {f}" for f in failures]
+    summary = format_summary(result)
+    if summary:
+        out += ["", summary]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the summary: roundpipe's default backend against torch's fastest path, at the run's threads
+# and at one thread
+
+
+def _summary_cell(row: Row | None, fused: bool) -> dict | None:
+    """A summary cell of ``row``: roundpipe's default backend's median, torch's fastest median
+    of ``fastest_torch`` and its path, their ratio (torch / roundpipe: > 1, roundpipe faster),
+    or roundpipe's error or mismatch with torch instead (``error``, no ratio)."""
+    if row is None:
+        return None
+    rp = "rp " + rp_backends.DEFAULT
+    timed = {c: row.median_ms[c] for c in fastest_torch(row.optimizer, fused) if c in row.median_ms}
+    best = min(timed, key=timed.get) if timed else None
+    cell = {
+        "rp_ms": row.median_ms.get(rp),
+        "torch_path": label(best) if best else None,
+        "torch_ms": timed.get(best),
+        "ratio": None,
+        "error": None,
+    }
+    if rp in row.errors:
+        cell["error"] = row.errors[rp]
+    elif row.checks.get(rp_backends.DEFAULT):
+        cell["error"] = f"MISMATCH with torch: {row.checks[rp_backends.DEFAULT]}"
+    elif cell["rp_ms"] and cell["torch_ms"]:
+        cell["ratio"] = cell["torch_ms"] / cell["rp_ms"]
+    return cell
+
+
+def summary_rows(result: dict) -> list[dict]:
+    """The summary's rows: per workload of ``SUMMARY_WORKLOADS`` in the run and optimizer
+    ``in_summary``, the cell at the run's threads (``run``) and the one-thread pass's
+    (``one_thread``, None without the pass)."""
+    fused = result["meta"].get("fused_available", {})
+    one = result.get("one_thread")
+    one_rows = {}
+    if one is not None:
+        for wl, res in one["workloads"].items():
+            one_rows.update({(wl, row.optimizer): row for row in res["rows"]})
+    out = []
+    for wl, res in result["workloads"].items():
+        if wl not in SUMMARY_WORKLOADS:
+            continue
+        for row in res["rows"]:
+            if not in_summary(row.optimizer):
+                continue
+            has_fused = fused.get(row.optimizer, FUSED in row.median_ms)
+            out.append(
+                {
+                    "workload": wl,
+                    "optimizer": row.optimizer,
+                    "run": _summary_cell(row, has_fused),
+                    "one_thread": None
+                    if one is None
+                    else _summary_cell(one_rows.get((wl, row.optimizer)), has_fused),
+                }
+            )
+    return out
+
+
+def _ratio_text(cell: dict | None) -> str:
+    if cell is None:
+        return "n/a"
+    if cell["error"]:
+        return "MISMATCH" if cell["error"].startswith("MISMATCH") else "ERROR"
+    return "n/a" if cell["ratio"] is None else f"{cell['ratio']:.2f}x"
+
+
+def format_summary(result: dict) -> str:
+    """The report's last section (empty without rows): ``summary_rows`` as a table, a column
+    per thread count, then the errors of its cells; a line says why a run has no one-thread
+    column."""
+    rows = summary_rows(result)
+    if not rows:
+        return ""
+    meta = result["meta"]
+    n = meta["torch_threads"]
+    one = "one_thread" in result
+    head = ["workload", "optimizer", "torch path", f"{n} thread{'s' if n != 1 else ''}"]
+    head += ["1 thread"] if one else []
+    cols = ("run", "one_thread") if one else ("run",)
+    lines, errors = [], []
+    for r in rows:
+        cells = [r[c] for c in cols]
+        paths = list(dict.fromkeys(c["torch_path"] for c in cells if c and c["torch_path"]))
+        lines.append(
+            [r["workload"], r["optimizer"], " / ".join(paths) or "n/a", *[_ratio_text(c) for c in cells]]
+        )
+        for col, c in zip(head[3:], cells, strict=True):
+            if c and c["error"]:
+                errors.append(f"  {r['workload']} {r['optimizer']}, {col}: {c['error']}")
+    out = [
+        f"summary: roundpipe {rp_backends.DEFAULT} against torch's fastest path (fused where torch "
+        "has it, else the faster of for-loop and foreach; median ms ratio, > 1: roundpipe faster)",
+    ]
+    if one:
+        out.append(
+            "1 thread: every thread pool at one thread, as on each rank of a torchrun launch "
+            "(it sets OMP_NUM_THREADS=1)"
+        )
+    else:
+        out.append(f"no one-thread column: {meta.get('one_thread_skipped')}")
+    out += _table(head, lines, left=3)
+    if errors:
+        out += ["errors (no ratio):", *errors]
     return "\n".join(out)
 
 
@@ -292,6 +418,11 @@ def failures_of(result: dict, backends) -> list[str]:
             for c in (LOOP, FOREACH):
                 if c in row.errors:
                     out.append(f"{wl} {row.optimizer} {c}: {row.errors[c]}")
+    for wl, res in result.get("one_thread", {}).get("workloads", {}).items():
+        for row in res["rows"]:
+            for c in ("rp " + rp_backends.DEFAULT, LOOP, FOREACH):
+                if c in row.errors:
+                    out.append(f"{wl} {row.optimizer} {label(c)} (one thread): {row.errors[c]}")
     return out
 
 
@@ -305,7 +436,19 @@ def to_json(result: dict, backends, row_doc=None) -> dict:
     for wl, res in result["workloads"].items():
         rows = {row.optimizer: row_doc(row) for row in res["rows"]}
         workloads[wl] = {**{k: v for k, v in res.items() if k != "rows"}, "optimizers": rows}
-    return {"meta": result["meta"], "bandwidth": result["bandwidth"], "workloads": workloads}
+    doc = {"meta": result["meta"], "bandwidth": result["bandwidth"], "workloads": workloads}
+    if "one_thread" in result:  # the pass's rows: medians, samples, errors (no checks, no bound)
+        one = result["one_thread"]
+        doc["one_thread"] = {
+            "threads": one["threads"],
+            "workloads": {
+                wl: {"optimizers": {row.optimizer: row_json(row) for row in res["rows"]}}
+                for wl, res in one["workloads"].items()
+            },
+        }
+    if not result["meta"].get("partners"):  # --partners' rows have other columns
+        doc["summary"] = summary_rows(result)
+    return doc
 
 
 def row_json(row: Row, name=label) -> dict:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import numexpr
 import torch
 
+import roundpipe.optim.threads as rp_threads
+
 from .traffic import workload_bytes
 from .workloads import clone_params, make_optimizer
 
@@ -33,6 +35,28 @@ def set_threads(n: int | None) -> None:
     if n:
         torch.set_num_threads(n)
         numexpr.set_num_threads(n)
+
+
+@contextmanager
+def one_thread():
+    """Inside the block, every pool a step or torch's paths run on at one thread, as each rank
+    of a ``torchrun`` launch (which sets ``OMP_NUM_THREADS=1``): torch's intra-op pool,
+    numexpr's, and roundpipe's step (``set_num_threads(1)``, over ``ROUNDPIPE_OPTIM_NUM_THREADS``
+    too); yields the counts each then reports, and restores all three on exit."""
+    torch_before, rp_before = torch.get_num_threads(), rp_threads._num_threads  # the user's setting
+    torch.set_num_threads(1)
+    numexpr_before = numexpr.set_num_threads(1)  # returns the previous count
+    rp_threads.set_num_threads(1)
+    try:
+        yield {
+            "torch": torch.get_num_threads(),
+            "numexpr": numexpr.get_num_threads(),
+            "roundpipe": rp_threads.get_num_threads(),
+        }
+    finally:
+        rp_threads.set_num_threads(rp_before)
+        numexpr.set_num_threads(numexpr_before)
+        torch.set_num_threads(torch_before)
 
 
 def thread_pools() -> list[str]:

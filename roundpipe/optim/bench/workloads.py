@@ -152,6 +152,26 @@ def has_fused(name: str) -> bool:
     return True
 
 
+# The summary's workloads (and the one-thread pass's): those whose step time is the kernels'
+# (what a thread count changes), not a per-call overhead (``small``, ``per_param``).
+SUMMARY_WORKLOADS = ("large", "transformer")
+
+
+def in_summary(name: str) -> bool:
+    """Whether optimizer ``name`` has rows in the summary: all but Muon, whose step is mostly
+    torch's bfloat16 Newton-Schulz matmuls (the same call in every column)."""
+    return name != "Muon"
+
+
+def fastest_torch(name: str, fused: bool) -> list[str]:
+    """torch's paths the summary compares roundpipe with (the faster median of them): fused
+    where torch has a CPU kernel, else the for-loop and foreach (the for-loop alone where the
+    optimizer has no foreach)."""
+    if fused:
+        return [FUSED]
+    return [LOOP, FOREACH] if has_foreach(name) else [LOOP]
+
+
 class PerParam:
     """One optimizer per parameter, stepped one after the other by ``step()``: what torchao's
     ``CPUOffloadOptimizer`` builds, and what a loop calling ``step()`` from

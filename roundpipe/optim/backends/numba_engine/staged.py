@@ -436,16 +436,22 @@ _row_plans: dict = {}  # a kernel's scalar names -> (the scalars they read, the 
 def _scalar_rows(names, consts, scalars) -> np.ndarray:
     """The kernel's float32 rows of scalars (``names``: its ``s_*`` variables, a lerp weight's
     complement ``s_<w>__m1`` as ``float32(w) - 1``), then its constants, for each parameter."""
-    plan = _row_plans.get(names)
+    plan = _row_plans.get((names, consts))
     if plan is None:
-        base = tuple(n[2:-4] if n.endswith("__m1") else n[2:] for n in names)
-        plan = _row_plans[names] = (base, [c for c, n in enumerate(names) if n.endswith("__m1")])
-    base, complements = plan
+        columns = tuple((n[2:-4], True) if n.endswith("__m1") else (n[2:], False) for n in names)
+        plan = _row_plans[(names, consts)] = (columns, [float(c) for c in consts])
+    columns, tail = plan
+    complements: dict = {}  # weight -> float32(weight) - 1, taken once per distinct weight
+
+    def complement(w):
+        c = complements.get(w)
+        if c is None:
+            c = complements[w] = float(np.float32(w) - np.float32(1.0))
+        return c
+
     # (numpy rounds each Python float to the nearest float32, as torch casts a scalar)
-    rows = np.array([[*[s[b] for b in base], *consts] for s in scalars], dtype=np.float32)
-    for c in complements:
-        rows[:, c] -= np.float32(1.0)
-    return rows.reshape(len(scalars), len(names) + len(consts))
+    flat = [v for s in scalars for v in (*[complement(s[b]) if m1 else s[b] for b, m1 in columns], *tail)]
+    return np.array(flat, dtype=np.float32).reshape(len(scalars), len(names) + len(consts))
 
 
 _LAYOUTS_KEPT = 16  # a launch's cache keeps a few layouts (the last steps' shapes)
@@ -487,13 +493,16 @@ _abouts: dict = {}
 
 
 def _about(program) -> tuple:
-    """``(shaped, column_norms, reductions)`` of a pass's program: the first tensor of the
-    parameter's shape, whether it takes column norms, its ``(name, dim)`` norms in order."""
+    """``(shaped, column_norms, reductions, lerp weights, floors)`` of a pass's program: the first
+    tensor of the parameter's shape, whether it takes column norms, its ``(name, dim)`` norms in
+    order, ``lerp_weights`` and ``clamped_quotients`` (one lookup a launch)."""
     hit = _abouts.get(program)
     if hit is None:
         shaped = next(t for t in program.tensors if t not in dict(program.shapes))
         reduces = tuple((st.name, st.dim) for st in program.statements if isinstance(st, Reduce))
-        hit = _abouts[program] = (shaped, any(dim == -2 for _, dim in reduces), reduces)
+        column_norms = any(dim == -2 for _, dim in reduces)
+        hit = (shaped, column_norms, reduces, lerp_weights(program), clamped_quotients(program))
+        _abouts[program] = hit
     return hit
 
 
@@ -520,7 +529,7 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     first = tensors[0]
     dtypes = {t: _DTYPES.get(first[t].dtype) for t in names}
     kinds = tuple(first[t].dtype for t in names)
-    shaped, column_norms, reduces = _about(program)
+    shaped, column_norms, reduces, weights, floors = _about(program)
     ours, others = [], []
     for k, ts in enumerate(tensors):
         column = [ts[t] for t in names]
@@ -534,7 +543,6 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         ours, others = [], list(range(len(tensors)))
     if others and fallback is None:
         return None
-    weights, floors = lerp_weights(program), clamped_quotients(program)
     by_variant: dict = {}
     if weights or floors:
         for k in ours:
@@ -543,23 +551,30 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     elif ours:
         by_variant[((), ())] = ours
     calls, results = [], [dict() for _ in tensors]
-    keep = []  # every tensor a launch reads by address, alive until it ran
     wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
     for variant, members in by_variant.items():
-        lerps, floors = variant
-        dispatchers, row_names, consts = compile_pass(program, lerps, fused, dtypes, lanes, order, floors)
+        launch_cache = cache.get(variant)
+        kernel_key = (fused, kinds, lanes, order)
+        if launch_cache is None or launch_cache["kernel key"] != kernel_key:
+            launch_cache = cache[variant] = {"kernel key": kernel_key, "layouts": {}}
+            lerps, normal_floors = variant
+            launch_cache["kernel"] = compile_pass(program, lerps, fused, dtypes, lanes, order, normal_floors)
+        dispatchers, row_names, consts = launch_cache["kernel"]
         dispatcher, items, addresses, dims = _layout(
-            program, dispatchers, members, tensors, shaped, nthreads, cache.setdefault(variant, {})
+            program, dispatchers, members, tensors, shaped, nthreads, launch_cache["layouts"]
         )
         scalar_rows = _scalar_rows(row_names, consts, [scalars[k] for k in members])
         out_ptrs = np.zeros((len(program.reductions), len(members)), dtype=np.int64)
         for r, (name, dim) in enumerate(reduces):
             if dim is None:
-                buffer = torch.empty(len(members), dtype=torch.float32)  # (data_ptr: no ctypes object)
-                at = buffer.data_ptr()
+                # whole-tensor norms, read back as floats after the launch: a buffer kept with the
+                # launch's cache (a step's passes run one after another)
+                buffer = launch_cache.get(("norms", r))
+                if buffer is None or len(buffer) != len(members):
+                    buffer = launch_cache[("norms", r)] = np.empty(len(members), dtype=np.float32)
+                at = buffer.__array_interface__["data"][0]
                 out_ptrs[r] = at if len(members) == 1 else at + 4 * np.arange(len(members), dtype=np.int64)
                 wholes.append((buffer, name, members))
-                keep.append(buffer)
                 continue
             for c, k in enumerate(members):
                 t = tensors[k][shaped]
@@ -599,7 +614,6 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         if others:
             for k, reduced in zip(others, fallback(program, *rest), strict=True):
                 results[k] = reduced
-        keep.clear()
         return results
 
     return launch

@@ -161,8 +161,9 @@ def _torch_norms(program, scalars, tensors):
 
 
 def test_a_thread_count_changes_nothing():
-    """Reductions run one parameter a thread in a fixed order: 1 and 2 threads, the same bits."""
-    shapes = [(256, 64), (64, 256), (4096,), (3, 40, 24)]
+    """Reductions run one parameter a thread in a fixed order: 1 and 2 threads, the same bits
+    (enough elements that two threads are worth waking: the parallel kernels run)."""
+    shapes = [(512, 128), (128, 512), (40000,), (3, 40, 24)]
     grads = [[_randn(s, 10 * k + i) for i, s in enumerate(shapes)] for k in range(3)]
     results = []
     for threads in (1, 2):
@@ -178,6 +179,14 @@ def test_a_thread_count_changes_nothing():
         finally:
             ro.set_num_threads(before)
         results.append(params)
+        layouts = [
+            layout
+            for cache in opt.__dict__["_roundpipe_staged_plan"].launch_caches.values()
+            for launch in cache.values()
+            for layout in launch["layouts"].values()
+        ]
+        parallel = [layout[0] in numba_staged._parallel for layout in layouts]
+        assert any(parallel) == (threads == 2), parallel
     for a, b in zip(*results, strict=True):
         assert_bits_equal(a, b)
 

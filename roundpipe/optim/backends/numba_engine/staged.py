@@ -475,7 +475,11 @@ def _layout(program, dispatchers, members, tensors, shaped, nthreads, cache):
         ).reshape(len(names), len(members))
         dims = np.asarray([matrix_dims(tensors[k][shaped]) for k in members], dtype=np.int64).reshape(-1, 3)
         numel = sum(tensors[k][shaped].numel() for k in members)
-        share = len(members) if program.reductions else numel // PARALLEL_MIN_NUMEL
+        # (a reducing pass shares out whole parameters; either way a thread must get enough
+        # elements to be worth waking, which on a busy machine means waiting for a core)
+        share = numel // PARALLEL_MIN_NUMEL
+        if program.reductions:
+            share = min(len(members), share)
         dispatcher = dispatchers[0] if min(nthreads, share) > 1 else dispatchers[1]
         if program.reductions:
             items = _schedule(dims, nthreads if dispatcher is dispatchers[0] else 1)

@@ -182,7 +182,8 @@ def test_a_thread_count_changes_nothing():
         layouts = [
             layout
             for cache in opt.__dict__["_roundpipe_staged_plan"].launch_caches.values()
-            for launch in cache.values()
+            for key, launch in cache.items()
+            if key != "replay"  # (the last launch, kept to repeat: its layout is among these)
             for layout in launch["layouts"].values()
         ]
         parallel = [layout[0] in numba_staged._parallel for layout in layouts]
@@ -359,3 +360,46 @@ def test_adafactors_clamped_quotient_is_torchs(eps1_sq):
         assert_bits_equal(param, expected)
     fast = numba_staged.floor_variant({"eps1_sq": eps1_sq}, ("eps1_sq",)) == (True,)
     assert fast == (eps1_sq >= 2.0**-126)
+
+
+def test_a_repeated_launch_sees_what_changed(monkeypatch):
+    """A one-parameter step repeats its last launch (``staged._Launch.rebind``) with the new
+    scalars and gradient (a new tensor, or the same one written in place); a parameter moved to
+    new storage takes the full prepare; every step stays torch's."""
+    rebinds = []
+    real = numba_staged._Launch.rebind
+
+    def counted(self, *args):
+        ok = real(self, *args)
+        rebinds.append(ok)
+        return ok
+
+    monkeypatch.setattr(numba_staged._Launch, "rebind", counted)
+    p = _randn((4099,), 0).requires_grad_()
+    q = p.detach().clone().requires_grad_()
+    opt, ref = ro.Adafactor([p], lr=0.05, backend="fast:numba"), torch.optim.Adafactor([q], lr=0.05)
+
+    def step(seed, same_grad=False):
+        g = _randn((4099,), seed)
+        if same_grad:
+            p.grad.copy_(g)
+            q.grad.copy_(g)
+        else:
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        assert_bits_equal(p, q)
+        for key, value in ref.state[q].items():
+            assert_bits_equal(opt.state[p][key], value)
+
+    for seed in range(1, 6):  # (the lerp weight 1 - beta2_t falls below 0.5 at step 3: another kernel)
+        step(seed)
+    assert rebinds[-2:] == [True, True], rebinds  # both passes repeated
+    with torch.no_grad():
+        p.data, q.data = p.data.clone(), q.data.clone()  # the same tensors, new storage
+    rebinds.clear()
+    step(10)
+    assert rebinds == [False, False]
+    step(11)
+    step(12, same_grad=True)
+    assert rebinds[-2:] == [True, True]

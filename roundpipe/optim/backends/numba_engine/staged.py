@@ -529,6 +529,9 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     cache = {} if cache is None else cache
     if not tensors:
         return list
+    replay = cache.get("replay")
+    if replay is not None and replay.rebind(scalars, tensors, (fused, lanes, order, nthreads)):
+        return replay
     names = program.tensors
     first = tensors[0]
     dtypes = {t: _DTYPES.get(first[t].dtype) for t in names}
@@ -554,7 +557,7 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
             by_variant.setdefault(key, []).append(k)
     elif ours:
         by_variant[((), ())] = ours
-    calls, results = [], [dict() for _ in tensors]
+    calls, outs = [], [dict() for _ in tensors]
     wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
     for variant, members in by_variant.items():
         launch_cache = cache.get(variant)
@@ -587,40 +590,95 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
                 else:
                     out = torch.zeros((*t.shape[:-2], 1, t.shape[-1]), dtype=torch.float32)
                 out_ptrs[r, c] = out.data_ptr()
-                results[k][name] = out
+                outs[k][name] = out
         calls.append((dispatcher, items, addresses, dims, scalar_rows, out_ptrs))
     for dispatcher, items, addresses, _dims, scalar_rows, out_ptrs in calls:
         if dispatcher not in _compiled:  # compile (or load) now: a launch cannot fail later
             with keep_torch_threads():  # (a first parallel call starts numba's pool)
                 dispatcher(items[:0], addresses, np.zeros((0, 3), np.int64), scalar_rows, out_ptrs)
             _compiled.add(dispatcher)
-    get_torch_threads = torch.get_num_threads
-    rest = [scalars[k] for k in others], [tensors[k] for k in others]
-    parallel = any(call[0] in _parallel for call in calls)
+    launch = _Launch(numba, nthreads, calls, wholes, outs, others, fallback, program, scalars, tensors)
+    cache.pop("replay", None)
+    if len(by_variant) == 1 and not others and all(dim is None for _, dim in reduces):
+        (variant,) = by_variant
+        row_layout = cache[variant]["kernel"][1:]  # (row names, constants)
+        launch.replayable(program, variant, (fused, lanes, order, nthreads), kinds, tensors, row_layout)
+        cache["replay"] = launch
+    return launch
 
-    def launch():
-        if parallel:
-            torch_threads = get_torch_threads()
+
+class _Launch:
+    """A prepared pass: ``launch()`` runs it and returns each parameter's reductions.
+
+    One that a later step can repeat (one kernel for every parameter, whole-tensor norms only:
+    Adafactor's vectors, Muon's first pass) is kept in the launch's cache; the next ``prepare``
+    then only checks that the same tensors come in (the same objects at the same addresses, new
+    gradients of the same dtype, contiguous) and that every parameter takes the same kernel, and
+    writes the new scalars and gradient addresses in (``rebind``): a step of a one-parameter
+    optimizer was mostly this bookkeeping."""
+
+    def __init__(self, numba, nthreads, calls, wholes, outs, others, fallback, program, scalars, tensors):
+        self.numba, self.nthreads, self.calls, self.wholes = numba, nthreads, calls, wholes
+        self.outs, self.others, self.fallback, self.program = outs, others, fallback, program
+        self.rest = [scalars[k] for k in others], [tensors[k] for k in others]
+        self.parallel = any(call[0] in _parallel for call in calls)
+        self.key = None
+
+    def replayable(self, program, variant, key, kinds, tensors, row_layout):
+        names = program.tensors
+        self.key, self.variant, self.size, self.row_layout = key, variant, len(tensors), row_layout
+        self.weights, self.floors = _about(program)[3:]
+        self.grad = names.index("grad") if "grad" in names else None
+        self.grad_dtype = kinds[self.grad] if self.grad is not None else None
+        self.fixed = [n for n in names if n != "grad"]
+        # the tensors a repeat must be handed again, and where their data was
+        self.held = [[ts[n] for n in self.fixed] for ts in tensors]
+        self.ptrs = [[t.data_ptr() for t in column] for column in self.held]
+
+    def rebind(self, scalars, tensors, key) -> bool:
+        """Take this step's scalars and gradients, if the launch repeats (see the class)."""
+        if key != self.key or len(tensors) != self.size:
+            return False
+        fixed, weights, floors, variant = self.fixed, self.weights, self.floors, self.variant
+        for ts, held, ptrs, sc in zip(tensors, self.held, self.ptrs, scalars, strict=True):
+            for n, t, ptr in zip(fixed, held, ptrs, strict=True):
+                if ts[n] is not t or t.data_ptr() != ptr:
+                    return False
+            if (weights or floors) and (lerp_variant(sc, weights), floor_variant(sc, floors)) != variant:
+                return False
+        _dispatcher, _items, addresses, _dims, scalar_rows, _out_ptrs = self.calls[0]
+        if self.grad is not None:
+            grads = [ts["grad"] for ts in tensors]
+            if not all([g.dtype == self.grad_dtype and g.is_contiguous() for g in grads]):
+                return False
+            addresses[self.grad] = [g.data_ptr() for g in grads]
+        scalar_rows[...] = _scalar_rows(*self.row_layout, scalars)
+        self.outs = [dict() for _ in tensors]
+        return True
+
+    def __call__(self):
+        calls = self.calls
+        if self.parallel:
+            torch_threads = torch.get_num_threads()
             try:
-                if numba.get_num_threads() != nthreads:
-                    numba.set_num_threads(nthreads)
+                if self.numba.get_num_threads() != self.nthreads:
+                    self.numba.set_num_threads(self.nthreads)
                 for dispatcher, items, addresses, dims, scalar_rows, out_ptrs in calls:
                     dispatcher(items, addresses, dims, scalar_rows, out_ptrs)
             finally:
-                if get_torch_threads() != torch_threads:  # numba's pool sets OpenMP's count
+                if torch.get_num_threads() != torch_threads:  # numba's pool sets OpenMP's count
                     torch.set_num_threads(torch_threads)
         else:
             for dispatcher, items, addresses, dims, scalar_rows, out_ptrs in calls:
                 dispatcher(items, addresses, dims, scalar_rows, out_ptrs)
-        for buffer, name, members in wholes:
+        results = self.outs
+        for buffer, name, members in self.wholes:
             for k, value in zip(members, buffer.tolist(), strict=True):
                 results[k][name] = value
-        if others:
-            for k, reduced in zip(others, fallback(program, *rest), strict=True):
+        if self.others:
+            for k, reduced in zip(self.others, self.fallback(self.program, *self.rest), strict=True):
                 results[k] = reduced
         return results
-
-    return launch
 
 
 # -- what the passes must reproduce, measured at first use ---------------------------------------

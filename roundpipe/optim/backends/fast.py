@@ -60,14 +60,21 @@ SMALL_NUMEL = 1 << 16
 _NO_CACHE: dict = {}
 
 
+@functools.lru_cache(maxsize=256)
+def _arithmetic_inputs(program) -> tuple:
+    """The tensors a staged pass reads in its arithmetic: not the ones it writes, not the
+    gradient (a partner's is read widened)."""
+    return tuple(t for t in program.tensors if t not in program.targets and t != "grad")
+
+
 def staged_fusion(program, fused, tensors):
     """The fused multiply-adds of a staged pass: the engine's, or, where the pass reads a
     low-precision tensor in its arithmetic (Muon's bfloat16 update), what ``torch_mixed_fusion``
     measured for ``add`` (None: unknown, the pass runs torch's ops). A partner's low-precision
     gradient does not count: it is read widened, the fp32 master gradient torch steps."""
-    fused = frozenset(fused)
-    read = [t for t in program.tensors if t not in program.targets and t != "grad"]
-    if not tensors or all(tensors[0][t].dtype == torch.float32 for t in read):
+    fused = fused if type(fused) is frozenset else frozenset(fused)
+    read = _arithmetic_inputs(program)
+    if not tensors or all([tensors[0][t].dtype is torch.float32 for t in read]):
         return fused
     mixed = numba_staged.torch_mixed_fusion()
     if mixed is None:

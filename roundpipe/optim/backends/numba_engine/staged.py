@@ -646,14 +646,18 @@ class _Launch:
                     return False
             if (weights or floors) and (lerp_variant(sc, weights), floor_variant(sc, floors)) != variant:
                 return False
-        _dispatcher, _items, addresses, _dims, scalar_rows, _out_ptrs = self.calls[0]
+        dispatcher, items, addresses, dims, _rows, out_ptrs = self.calls[0]
         if self.grad is not None:
             grads = [ts["grad"] for ts in tensors]
-            if not all([g.dtype == self.grad_dtype and g.is_contiguous() for g in grads]):
+            if not all([g.dtype is self.grad_dtype and g.is_contiguous() for g in grads]):
                 return False
-            addresses[self.grad] = [g.data_ptr() for g in grads]
-        scalar_rows[...] = _scalar_rows(*self.row_layout, scalars)
-        self.outs = [dict() for _ in tensors]
+            if len(grads) == 1:
+                addresses[self.grad, 0] = grads[0].data_ptr()
+            else:
+                addresses[self.grad] = [g.data_ptr() for g in grads]
+        rows = _scalar_rows(*self.row_layout, scalars)
+        self.calls[0] = (dispatcher, items, addresses, dims, rows, out_ptrs)
+        self.outs = [{} for _ in tensors]
         return True
 
     def __call__(self):

@@ -182,8 +182,7 @@ def test_a_thread_count_changes_nothing():
         layouts = [
             layout
             for cache in opt.__dict__["_roundpipe_staged_plan"].launch_caches.values()
-            for key, launch in cache.items()
-            if key != "replay"  # (the last launch, kept to repeat: its layout is among these)
+            for launch in cache["variants"].values()
             for layout in launch["layouts"].values()
         ]
         parallel = [layout[0] in numba_staged._parallel for layout in layouts]

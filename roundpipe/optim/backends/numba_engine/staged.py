@@ -57,17 +57,20 @@ def clamped_quotients(program) -> tuple:
     floors = []
     for st in program.statements:
         for node in walk(st.expr):
-            if _clamped_quotient(node, shapes) and node.args[1].name not in floors:
-                floors.append(node.args[1].name)
+            if isinstance(node, Call) and node.fn == "clamp_min" and _clamped_quotient(*node.args, shapes):
+                if node.args[1].name not in floors:
+                    floors.append(node.args[1].name)
     return tuple(floors)
 
 
-def _clamped_quotient(node, shapes) -> bool:
-    if not (isinstance(node, Call) and node.fn == "clamp_min" and isinstance(node.args[1], Scalar)):
-        return False
-    x = node.args[0]
+def _clamped_quotient(x, lo, shapes) -> bool:
+    """Whether ``clamp_min(x, lo)`` is ``clamp_min(a / t, scalar)``, ``t`` one value per matrix."""
     return (
-        isinstance(x, Bin) and x.op == "/" and isinstance(x.b, Tensor) and shapes.get(x.b.name) == "matrices"
+        isinstance(lo, Scalar)
+        and isinstance(x, Bin)
+        and x.op == "/"
+        and isinstance(x.b, Tensor)
+        and shapes.get(x.b.name) == "matrices"
     )
 
 
@@ -108,7 +111,7 @@ class _Dialect(Lowering):
         return f"fma({a}, {b}, {c})"
 
     def fn_clamp_min(self, x, lo):
-        if not (_clamped_quotient(Call("clamp_min", (x, lo)), self.shapes) and lo.name in self.normal_floors):
+        if not (_clamped_quotient(x, lo, self.shapes) and lo.name in self.normal_floors):
             return super().fn_clamp_min(x, lo)
         t = x.b.name
         if t not in self.reciprocals:
@@ -523,8 +526,9 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     tensors it cannot read (not contiguous, dtypes that differ between parameters) or whose
     reductions it does not reproduce (``column_norms_reproduced``) run
     ``fallback(program, scalars, tensors)`` (torch's ops) in the same launch; without one, such
-    a pass is refused (None). ``cache``: the launch's own dict, kept by the caller between steps
-    (``_layout``)."""
+    a pass is refused (None). ``cache``: the pass's own dict, kept by the caller between steps:
+    ``variants`` (per kernel variant its kernel, layouts and norm buffers) and ``replay`` (the
+    last launch, where a repeat can rebind it: ``_Launch``)."""
     numba = import_numba()
     cache = {} if cache is None else cache
     if not tensors:
@@ -559,11 +563,12 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         by_variant[((), ())] = ours
     calls, outs = [], [dict() for _ in tensors]
     wholes = []  # (buffer, reduction name, members): whole-tensor norms, as floats after the launch
+    variants = cache.setdefault("variants", {})  # a kernel's variant -> what its launches keep
     for variant, members in by_variant.items():
-        launch_cache = cache.get(variant)
+        launch_cache = variants.get(variant)
         kernel_key = (fused, kinds, lanes, order)
         if launch_cache is None or launch_cache["kernel key"] != kernel_key:
-            launch_cache = cache[variant] = {"kernel key": kernel_key, "layouts": {}}
+            launch_cache = variants[variant] = {"kernel key": kernel_key, "layouts": {}}
             lerps, normal_floors = variant
             launch_cache["kernel"] = compile_pass(program, lerps, fused, dtypes, lanes, order, normal_floors)
         dispatchers, row_names, consts = launch_cache["kernel"]
@@ -601,7 +606,7 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
     cache.pop("replay", None)
     if len(by_variant) == 1 and not others and all(dim is None for _, dim in reduces):
         (variant,) = by_variant
-        row_layout = cache[variant]["kernel"][1:]  # (row names, constants)
+        row_layout = variants[variant]["kernel"][1:]  # (row names, constants)
         launch.replayable(program, variant, (fused, lanes, order, nthreads), kinds, tensors, row_layout)
         cache["replay"] = launch
     return launch

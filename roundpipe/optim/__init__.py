@@ -20,12 +20,28 @@ Where things live:
   ``roundpipe/optim/backends/``;
 * the step plan (what a step needs, checked cheaply every step) and the step on it
   (``plan/launches.py``): ``roundpipe/optim/plan/`` (its design: ``docs/step-plan.md``);
-* the API: ``roundpipe/optim/optimizer.py``; the public classes: ``roundpipe/optim/optimizers.py``;
+* the API: ``roundpipe/optim/optimizer.py``; the public classes: ``roundpipe/optim/optimizers.py``,
+  and bitsandbytes' 8-bit family (``Adam8bit`` ..., math in ``spec/eightbit.py``): ``eightbit.py``;
   loss scaling and clipping: ``roundpipe/optim/amp.py``; masters and partners:
   ``roundpipe/optim/masters.py``.
 """
 
 from .amp import GradScaler, clip_grad_norm_
+from .eightbit import (
+    Adagrad8bit,
+    Adam8bit,
+    AdamW8bit,
+    AdEMAMix8bit,
+    LAMB8bit,
+    LARS8bit,
+    Lion8bit,
+    PagedAdam8bit,
+    PagedAdamW8bit,
+    PagedAdEMAMix8bit,
+    PagedLion8bit,
+    RMSprop8bit,
+    SGD8bit,
+)
 from .masters import fp32_masters, pair, partner_of, unpair
 from .optimizer import RoundpipeOptimizer
 from .optimizers import (
@@ -47,18 +63,31 @@ from .threads import get_num_threads, set_num_threads
 __all__ = [
     "ASGD",
     "SGD",
+    "AdEMAMix8bit",
     "Adadelta",
     "Adafactor",
     "Adagrad",
+    "Adagrad8bit",
     "Adam",
+    "Adam8bit",
     "AdamW",
+    "AdamW8bit",
     "Adamax",
     "GradScaler",
+    "LAMB8bit",
+    "LARS8bit",
+    "Lion8bit",
     "NAdam",
+    "PagedAdEMAMix8bit",
+    "PagedAdam8bit",
+    "PagedAdamW8bit",
+    "PagedLion8bit",
     "RAdam",
     "RMSprop",
+    "RMSprop8bit",
     "RoundpipeOptimizer",
     "Rprop",
+    "SGD8bit",
     "clip_grad_norm_",
     "fp32_masters",
     "get_num_threads",

@@ -41,6 +41,7 @@ import torch
 
 from .. import threads
 from ..backend_api import Backend
+from ..spec.ir import Call, walk
 from ..tensors import contiguous_run
 from . import CompileCache, composed, numba_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
@@ -65,6 +66,15 @@ def _arithmetic_inputs(program) -> tuple:
     """The tensors a staged pass reads in its arithmetic: not the ones it writes, not the
     gradient (a partner's is read widened)."""
     return tuple(t for t in program.tensors if t not in program.targets and t != "grad")
+
+
+@functools.lru_cache(maxsize=256)
+def _staged_compilable(program) -> bool:
+    """Whether the numba engine's staged passes can run ``program``: not an 8-bit state's
+    blockwise pass, and no ``sqrt`` (torch's is MKL's routine, which those passes do not call;
+    the 8-bit family's 32-bit updates take one)."""
+    calls = (n for st in program.statements for n in walk(st.expr) if isinstance(n, Call))
+    return not program.blockwise and all(c.fn != "sqrt" for c in calls)
 
 
 def staged_fusion(program, fused, tensors):
@@ -262,8 +272,11 @@ class FastBackend(Backend):
     def prepare_staged(self, program, scalars, tensors, cache=None):
         """A staged step's pass: compiled on the numba engine (``numba_engine.staged``) where its
         probes found torch's reduction order and fused multiply-adds reproduced; torch's own ops
-        (``reference.run_staged``: the same bits) on the other engines and elsewhere."""
-        if self.engine(program) == "numba":
+        (``reference.run_staged``: the same bits) on the other engines, for the 8-bit optimizers'
+        blockwise passes, and elsewhere."""
+        if not _staged_compilable(program):
+            self._log_staged_once(program, None, None)
+        elif self.engine(program) == "numba":
             fused = staged_fusion(program, self.numba_engine().fused, tensors)
             order = numba_staged.torch_reductions() if program.reductions else (8, (False, True))
             if fused is not None and order is not None:

@@ -15,9 +15,9 @@ import logging
 import torch
 
 from ..backend_api import Backend
-from ..spec.ir import Assign, Bin, Call, Const, Let, Reduce, Scalar, Tensor
+from ..spec.ir import Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor
 from . import composed, segments
-from .torch_ops import BINARY, FUNCTIONS, norm
+from .torch_ops import BINARY, FUNCTIONS, norm, quantize_
 
 logger = logging.getLogger("roundpipe.optim")
 
@@ -51,6 +51,8 @@ def run_program(program, scalars, tensors):
             env[st.name] = result
         elif isinstance(st, Assign):
             env[st.target].copy_(result)
+        elif isinstance(st, Quantize):
+            quantize_(env[st.codes], env[st.blocks], env[st.codebook], result)
     return reduced
 
 

@@ -9,7 +9,11 @@ Every entry takes its operands (tensors, or Python floats for scalars) and an op
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from ..spec import codebooks
 
 
 def _is_t(x):
@@ -88,6 +92,7 @@ FUNCTIONS = {
     "addcmul": lambda a, b, c, value, out=None: torch.addcmul(a, b, c, value=value, out=out),
     "addcdiv": lambda a, b, c, value, out=None: torch.addcdiv(a, b, c, value=value, out=out),
     "lerp": lambda a, b, w, out=None: torch.lerp(a, b, w, out=out),
+    "dequantize": lambda codes, blocks, codebook, out=None: dequantize(codes, blocks, codebook, out),
 }
 
 COMPARISONS = (">", "<", ">=", "<=")
@@ -99,3 +104,33 @@ def norm(x, dim):
     if dim is None:
         return x.norm(2)
     return torch.norm(x, dim=dim, keepdim=True)
+
+
+def _per_element(blocks, codes):
+    """Each element's block value (``blocks[i // BLOCK]``), in ``codes``' shape."""
+    return blocks.reshape(-1).repeat_interleave(codebooks.BLOCK)[: codes.numel()].view(codes.shape)
+
+
+def dequantize(codes, blocks, codebook, out=None):
+    """The IR's ``dequantize``: ``codebook[codes] * absmax`` of the element's block, in float32."""
+    return torch.mul(codebook[codes.long()], _per_element(blocks, codes), out=out)
+
+
+@functools.lru_cache(maxsize=8)
+def _table(code_bytes: bytes) -> torch.Tensor:
+    code = torch.frombuffer(bytearray(code_bytes), dtype=torch.float32)
+    return torch.from_numpy(codebooks.lookup_table(code))
+
+
+def quantize_(codes, blocks, codebook, value):
+    """The IR's ``quantize``: ``value`` (float32, ``codes``' shape) into ``codes`` and
+    ``blocks`` as bitsandbytes' CPU kernel writes them (``codebooks.py``)."""
+    flat = value.reshape(-1)
+    absmax = codebooks.block_absmax(flat.numpy())
+    inv = torch.from_numpy(absmax).reciprocal()
+    normed = flat * _per_element(inv, flat)
+    table = _table(codebook.numpy().tobytes())
+    picked = table[torch.from_numpy(codebooks.lut_position(normed.numpy()))]
+    picked[_per_element(torch.from_numpy(absmax), flat) == 0] = 0  # an all-zero block: code 0
+    codes.view(-1).copy_(picked)
+    blocks.view(-1).copy_(torch.from_numpy(absmax))

@@ -135,7 +135,8 @@ class _StagedPlan:
             tensors = [st.get(n) for st, names in zip(gp.states, gp.names, strict=True) for n in names]
             if not all(map(operator.is_, tensors, gp.state_tensors)):
                 return None
-            if [spec.options(group, p) for p in gp.params] != gp.options:
+            options = [spec.param_options(group, p, st) for p, st in zip(gp.params, gp.states, strict=True)]
+            if options != gp.options:
                 return None
             if gp.partners is None:
                 grads = [p.grad for p in gp.params]
@@ -190,15 +191,15 @@ def _group_plan(spec, name, state, created, gi, group, indices, params, pairs):
                 "no collectives, and its statistics of a matrix span every shard: use "
                 f"torch.optim.{name} for DTensor parameters (its DTensor ops gather them)"
             )
-        o = spec.options(group, p)
+        o = spec.param_options(group, p, st)
         for n in spec.scalar_state:
-            problem = scalar_state_problem(st.get(n), f": optimizer state {n!r}")
+            problem = _scalar_problem(spec, st.get(n), f": optimizer state {n!r}")
             if problem is not None:
                 raise_problem(problem, where())
-        names = {n: torch.Size(shape) for n, shape in spec.state_names(Options(o), p).items()}
+        names = {n: _shape_and_dtype(kind) for n, kind in spec.state_names(Options(o), p).items()}
         _check_state(st, names, where)
         gp.options.append(o)
-        gp.names.append((*spec.scalar_state, *names))
+        gp.names.append((*(n for n in spec.scalar_state if n not in spec.int_state), *names))
         tensors += [st[n] for n in gp.names[-1]]
     gp.state_tensors = tuple(tensors)
     gp.stages = [spec.stages(o) for o in gp.options]
@@ -233,12 +234,28 @@ _F32 = torch.float32
 _STRIDED = torch.strided
 
 
-def _plain_state(t, shape) -> bool:
-    """The common case of a state tensor, checked fast: a plain float32 CPU tensor, dense,
+def _shape_and_dtype(kind) -> tuple:
+    """``state_names``' entry as ``(torch.Size, dtype)``: a bare shape is float32."""
+    if len(kind) == 2 and isinstance(kind[1], torch.dtype):
+        return torch.Size(kind[0]), kind[1]
+    return torch.Size(kind), _F32
+
+
+def _scalar_problem(spec, value, what):
+    """A 0-d state entry's problem; a Python int for the spec's ``int_state``."""
+    if spec.int_state and what.endswith(tuple(f"{n!r}" for n in spec.int_state)):
+        if type(value) is int and value >= 0:
+            return None
+        return KeyError, f"{what} must be a non-negative Python int (the step count), got {value!r}"
+    return scalar_state_problem(value, what)
+
+
+def _plain_state(t, shape, dtype) -> bool:
+    """The common case of a state tensor, checked fast: a plain CPU tensor of ``dtype``, dense,
     contiguous, of ``shape`` (anything else goes through ``tensor_problem`` for its message)."""
     return (
         type(t) is torch.Tensor
-        and t.dtype is _F32
+        and t.dtype is dtype
         and t.is_cpu
         and t.layout is _STRIDED
         and t.is_contiguous()
@@ -247,11 +264,14 @@ def _plain_state(t, shape) -> bool:
 
 
 def _check_state(st, names, where):
-    for n, shape in names.items():
+    for n, (shape, dtype) in names.items():
         t = st.get(n)
-        if _plain_state(t, shape):
+        if _plain_state(t, shape, dtype):
             continue
-        problem = tensor_problem(t, f": optimizer state {n!r}")
+        # (a float32 entry of another shape keeps its own message; any other dtype is checked
+        # against a meta tensor of what the spec declares)
+        like = None if dtype is _F32 else torch.empty(shape, dtype=dtype, device="meta")
+        problem = tensor_problem(t, f": optimizer state {n!r}", like=like)
         if problem is None and tuple(t.shape) != tuple(shape):
             problem = (
                 RuntimeError,
@@ -285,7 +305,9 @@ def _scalars(spec, name, gi, group, st, memo):
     """``(scratch, values)``: the parameter's 0-d state advanced on scratch copies and its
     scalars; computed once per group and distinct 0-d state in a step (``memo``), as the
     elementwise specs' units do (``scalars`` sees nothing else)."""
-    before = tuple((n, st[n].item(), st[n].dtype) for n in spec.scalar_state)
+    before = tuple(
+        (n, st[n], int) if n in spec.int_state else (n, st[n].item(), st[n].dtype) for n in spec.scalar_state
+    )
     hit = memo.get((gi, before))
     if hit is None:
         scratch = {n: Scratch(v, dtype) for n, v, dtype in before}
@@ -344,6 +366,9 @@ def _write_scalars(entries):
     by_value: dict = {}
     for e in entries:
         for n, scratch in e.scratch.items():
+            if scratch.dtype is int:
+                e.state[n] = scratch.value
+                continue
             by_value.setdefault(id(scratch), (scratch, []))[1].append(e.state[n])
     for scratch, tensors in by_value.values():
         if len(tensors) < 4:

@@ -224,7 +224,10 @@ class Scratch:
 
     def __iadd__(self, other):
         v = self.value + other
-        self.value = float(np.float32(v)) if self.dtype is torch.float32 else float(v)
+        if self.dtype is int:  # a counter kept as a Python int (bitsandbytes' step)
+            self.value = int(v)
+        else:
+            self.value = float(np.float32(v)) if self.dtype is torch.float32 else float(v)
         return self
 
     def __imul__(self, other: float):

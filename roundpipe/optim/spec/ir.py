@@ -12,10 +12,16 @@ parameter, its gradient and its state tensors. Three kinds of statement exist:
   order. A reduction ends what a program can say about it: its result is an output of the
   program (``Program.reductions``), read by the Python between the programs of a staged step
   (``spec/staged.py``), never by a later statement of the same program.
+* ``quantize`` writes an 8-bit state (``codebooks.py``): a value's blocks of ``BLOCK`` elements
+  each as one byte per element (its ``codes`` input) and the block's largest magnitude (its
+  ``blocks`` input), by a ``codebook``; ``dequantize(codes, blocks, codebook)`` reads one back.
 
 An input may be *broadcast* (``Program.shapes``): a factor of a matrix (``rows``, shape
 ``(..., m, 1)``; ``cols``, ``(..., 1, n)``; ``matrices``, ``(..., 1, 1)``) read at each element
 of the ``(..., m, n)`` parameter as torch's broadcasting reads it. Broadcast inputs are read-only.
+An 8-bit state's inputs have kinds of their own: ``codes`` (uint8, the parameter's elements),
+``blocks`` (float32, one per block) and ``codebook`` (256 float32); they appear only in
+``dequantize`` and ``quantize``.
 
 Expressions are trees of :class:`Expr` nodes. Arithmetic uses Python operators, and a few
 named functions mirror the torch ops the torch source uses (``addcmul``, ``addcdiv``,
@@ -46,6 +52,7 @@ __all__ = [
     "Let",
     "Assign",
     "Reduce",
+    "Quantize",
     "Program",
     "ProgramBuilder",
     "add",
@@ -60,6 +67,7 @@ __all__ = [
     "sign",
     "where",
     "clamp",
+    "dequantize",
     "FUNCTIONS",
 ]
 
@@ -174,6 +182,7 @@ FUNCTIONS = {
     "addcmul": 4,  # torch.addcmul(a, b, c, value=s) = a + s*b*c
     "addcdiv": 4,  # torch.addcdiv(a, b, c, value=s) = a + s*b/c
     "lerp": 3,  # torch.lerp(a, b, w), w a scalar: torch's two-branch formula
+    "dequantize": 3,  # codebook[codes] * absmax of the element's block (codebooks.py)
 }
 SCALAR_ARGS = {
     "clamp": (1, 2),
@@ -250,6 +259,11 @@ def sign(x) -> Expr:
     return Call("sign", (_wrap(x),))
 
 
+def dequantize(codes, blocks, codebook) -> Expr:
+    """An 8-bit state's value: ``codebook[codes] * blocks[element // BLOCK]`` (float32)."""
+    return Call("dequantize", (_wrap(codes), _wrap(blocks), _wrap(codebook)))
+
+
 def where(cond, a, b) -> Expr:
     return Call("where", (_wrap(cond), _wrap(a), _wrap(b)))
 
@@ -273,6 +287,7 @@ class Assign:
 
 REDUCE_DIMS = (None, -1, -2)
 BROADCAST_KINDS = ("rows", "cols", "matrices")
+QUANTIZED_KINDS = ("codes", "blocks", "codebook")  # an 8-bit state's inputs, in dequantize's order
 
 
 @dataclass(frozen=True)
@@ -284,7 +299,22 @@ class Reduce:
     dim: int | None = None
 
 
-Statement = Let | Assign | Reduce
+@dataclass(frozen=True)
+class Quantize:
+    """``codes``/``blocks`` (inputs of those kinds) := ``expr`` quantized blockwise by ``codebook``
+    (``codebooks.py``): each block's absmax, then each element's code."""
+
+    codes: str
+    blocks: str
+    codebook: str
+    expr: Expr
+
+    @property
+    def target(self) -> str:
+        return self.codes
+
+
+Statement = Let | Assign | Reduce | Quantize
 
 
 def walk(expr: Expr):
@@ -314,6 +344,11 @@ class Program:
     reductions: tuple = ()  # the names of its ``norm`` statements, in order
     shapes: tuple = ()  # (input, broadcast kind) of its broadcast inputs
 
+    @property
+    def blockwise(self) -> bool:
+        """Whether it writes an 8-bit state (a ``quantize`` statement)."""
+        return any(isinstance(st, Quantize) for st in self.statements)
+
     def __hash__(self):
         # computed once: programs key every compile cache, and a step looks them up (hashing
         # the statement trees each time was a sizeable part of a small step: docs/benchmarks.md)
@@ -328,6 +363,9 @@ class Program:
         for st in self.statements:
             if isinstance(st, Reduce):
                 lines.append(f"red {st.name} = norm({format_expr(st.expr)}, dim={st.dim})")
+                continue
+            if isinstance(st, Quantize):
+                lines.append(f"q8  {st.codes}, {st.blocks} = quantize({format_expr(st.expr)}, {st.codebook})")
                 continue
             kw = "let" if isinstance(st, Let) else "   "
             name = st.name if isinstance(st, Let) else st.target
@@ -396,6 +434,10 @@ class ProgramBuilder:
         self.statements.append(Assign(target.name, _wrap(expr)))
         return target
 
+    def quantize(self, codes: Tensor, blocks: Tensor, codebook: Tensor, expr) -> None:
+        """Write ``expr`` into the 8-bit state ``codes``/``blocks`` by ``codebook``."""
+        self.statements.append(Quantize(codes.name, blocks.name, codebook.name, _wrap(expr)))
+
     def norm(self, name: str, expr, dim: int | None = None) -> str:
         """``torch.norm(expr, dim=dim, keepdim=True)``: an output of the program, ``name``."""
         self.statements.append(Reduce(name, _wrap(expr), dim))
@@ -422,9 +464,9 @@ def validate(statements, inputs, shapes=None) -> Program:
     inputs = tuple(inputs)
     shapes = dict(shapes or {})
     for name, kind in shapes.items():
-        if name not in inputs or kind not in BROADCAST_KINDS:
+        if name not in inputs or kind not in (*BROADCAST_KINDS, *QUANTIZED_KINDS):
             raise ValueError(
-                f"broadcast input {name!r}: not an input, or kind {kind!r} not in {BROADCAST_KINDS}"
+                f"input {name!r}: not an input, or kind {kind!r} not in {BROADCAST_KINDS + QUANTIZED_KINDS}"
             )
     defined = set(inputs)
     reductions: list[str] = []
@@ -437,6 +479,7 @@ def validate(statements, inputs, shapes=None) -> Program:
         _check_conditions(expr, st, as_value=True)
         if not expr.is_tensor():
             raise ValueError(f"statement {st} computes a scalar: do scalar math in scalars()")
+        _check_quantized(expr, shapes, st)
         for node in walk(expr):
             if isinstance(node, Tensor):
                 if node.name not in defined:
@@ -477,13 +520,11 @@ def validate(statements, inputs, shapes=None) -> Program:
             if st.dim not in REDUCE_DIMS or st.name in defined or st.name in reductions:
                 raise ValueError(f"norm {st.name!r}: dim {st.dim!r} not in {REDUCE_DIMS}, or a name reused")
             reductions.append(st.name)
-        elif isinstance(st, Assign):
-            if st.target not in inputs or st.target == "grad" or st.target in shapes:
-                raise ValueError(f"cannot assign to {st.target!r}: not a writable input")
-            if st.target not in used_tensors:
-                used_tensors.append(st.target)
-            if st.target not in targets:
-                targets.append(st.target)
+        elif isinstance(st, (Assign, Quantize)):
+            written = _written(st, inputs, shapes)
+            read = (st.codebook,) if isinstance(st, Quantize) else ()
+            used_tensors += [n for n in (*read, *written) if n not in used_tensors]
+            targets += [n for n in written if n not in targets]
         else:
             raise TypeError(f"unknown statement {st!r}")
     order = [n for n in inputs if n in used_tensors]
@@ -491,3 +532,28 @@ def validate(statements, inputs, shapes=None) -> Program:
     return Program(
         tuple(statements), tuple(order), tuple(scalars), tuple(targets), tuple(reductions), used_shapes
     )
+
+
+def _written(st, inputs, shapes) -> tuple:
+    """The inputs an ``assign`` or ``quantize`` writes, checked."""
+    if isinstance(st, Assign):
+        if st.target not in inputs or st.target == "grad" or st.target in shapes:
+            raise ValueError(f"cannot assign to {st.target!r}: not a writable input")
+        return (st.target,)
+    named = (st.codes, st.blocks, st.codebook)
+    if tuple(shapes.get(n) for n in named) != QUANTIZED_KINDS:
+        raise ValueError(f"quantize into {named}: needs inputs of kinds {QUANTIZED_KINDS}")
+    return (st.codes, st.blocks)
+
+
+def _check_quantized(expr, shapes, st) -> None:
+    """An 8-bit state's inputs appear only as ``dequantize``'s arguments, in its order."""
+    if isinstance(expr, Call) and expr.fn == "dequantize":
+        kinds = tuple(shapes.get(a.name) if isinstance(a, Tensor) else None for a in expr.args)
+        if kinds != QUANTIZED_KINDS:
+            raise ValueError(f"dequantize needs inputs of kinds {QUANTIZED_KINDS} in {st}")
+        return
+    if isinstance(expr, Tensor) and shapes.get(expr.name) in QUANTIZED_KINDS:
+        raise ValueError(f"{expr.name!r} ({shapes[expr.name]}) read outside dequantize in {st}")
+    for child in (expr.a, expr.b) if isinstance(expr, Bin) else getattr(expr, "args", ()):
+        _check_quantized(child, shapes, st)

@@ -24,8 +24,11 @@ turn:
 computed (``row_var`` with its new value), copied in after the last pass.
 
 The fields shared with :class:`~roundpipe.optim.spec.core.OptimizerSpec` mean the same; the
-differences: ``options(group, p)`` is per parameter (Adafactor factors matrices only), and
-``state_names(o)`` lists the state tensors a parameter with options ``o`` keeps.
+differences: ``options(group, p)`` is per parameter (Adafactor factors matrices only), joined by
+``state_options(state)`` where the parameter's state decides (bitsandbytes' 8-bit optimizers:
+8-bit or 32-bit state); ``state_names(o, p)`` lists the state tensors a parameter with options
+``o`` keeps, each with its shape, or ``(shape, dtype)`` where it is not float32; ``int_state``
+names the entries of ``scalar_state`` that are Python ints (bitsandbytes' ``step``).
 """
 
 from __future__ import annotations
@@ -71,6 +74,13 @@ class StagedSpec(SpecBase):
     check_group: Callable = lambda group: None  # raises before anything moves
     scalar_state: tuple = ("step",)
     commit: tuple = ()  # (state entry, context name) copied in after the last pass
+    state_options: Callable | None = None  # (state) -> dict joining options(group, p)
+    int_state: tuple = ()  # scalar_state entries kept as Python ints
+
+    def param_options(self, group, p, state) -> dict:
+        """A parameter's options: ``options(group, p)`` and what its state decides."""
+        o = self.options(group, p)
+        return o if self.state_options is None else {**o, **self.state_options(state)}
 
     def stages(self, options: dict) -> tuple:
         """The stages for ``options``, built once (validated: a typo fails the tests)."""

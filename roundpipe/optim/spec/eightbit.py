@@ -1,0 +1,361 @@
+"""bitsandbytes' 8-bit optimizers: the CPU step of bitsandbytes 0.50
+(``bitsandbytes/backends/cpu/ops.py``), as staged specs of one pass.
+
+A parameter of at least ``min_8bit_size`` elements (a param-group key, 4096 by default) keeps
+its state in 8 bits (``codebooks.py``): ``state1`` (and ``state2``) one byte per element, with
+``absmax1`` (``absmax2``) per block of 256 and the codebooks ``qmap1`` (``qmap2``). Its step
+(``_optimizer_update_8bit_blockwise_cpu``) dequantizes the state, updates it and the parameter
+with torch ops in float32, and quantizes it back. A smaller parameter keeps float32 ``state1``
+(``state2``) and takes bitsandbytes' 32-bit update (``_optimizer_update_32bit_cpu``), whose
+formulas differ. Which one a parameter takes is read from its state, as bitsandbytes reads it.
+``step`` is a Python int, bitsandbytes' counter.
+
+Each optimizer is its two programs (8-bit, 32-bit) over ``param``, ``grad`` and the state, and
+its scalars, each written as the bitsandbytes source writes it: ``grad`` is ``g.float() *
+gnorm_scale`` (1.0), every Python float is rounded to float32 inside its op.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .codebooks import BLOCK, blocks_of, dynamic_map
+from .ir import add, addcdiv, addcmul, dequantize, sign, sqrt
+from .staged import Pass, StagedSpec, program
+
+__all__ = ["EIGHTBIT_SPECS", "EightBit", "MIN_8BIT_SIZE"]
+
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep 32-bit state
+_CODEBOOKS: dict = {}
+
+
+def _codebook(signed: bool) -> torch.Tensor:
+    # one tensor per codebook, shared by every parameter's state as bitsandbytes shares its own
+    hit = _CODEBOOKS.get(signed)
+    if hit is None:
+        hit = _CODEBOOKS[signed] = dynamic_map(signed)
+    return hit
+
+
+@dataclass(frozen=True)
+class EightBit:
+    """One of bitsandbytes' update rules: ``name`` as its kernels name it, the number of state
+    tensors, and the statements of its 8-bit and 32-bit programs (``(o, b, m)``: options,
+    builder, the moments as values) and scalars."""
+
+    name: str
+    n_states: int
+    update_8bit: object
+    update_32bit: object
+    scalars: object
+
+
+# -- the state ------------------------------------------------------------------------------------
+def _init_state(rule: EightBit):
+    def init_state(group, p, state):
+        if len(state) == 0:
+            state["step"] = 0
+            eight = p.numel() >= group.get("min_8bit_size", MIN_8BIT_SIZE)
+            for k in range(1, rule.n_states + 1):
+                state[f"state{k}"] = torch.zeros_like(p, dtype=torch.uint8 if eight else torch.float32)
+                if eight:
+                    state[f"qmap{k}"] = _codebook(signed=k == 1)
+            if eight:
+                for k in range(1, rule.n_states + 1):
+                    state[f"absmax{k}"] = torch.zeros((blocks_of(p.numel()),), dtype=torch.float32)
+
+    return init_state
+
+
+def state_options(state) -> dict:
+    """The options a parameter's state decides: 8-bit or 32-bit (its ``state1``'s dtype, as
+    bitsandbytes decides), and whether this step is its first (SGD's momentum starts as a copy)."""
+    state1 = state.get("state1")
+    return {
+        "eight": getattr(state1, "dtype", None) == torch.uint8,
+        "first": state.get("step") == 0,
+    }
+
+
+def state_names(rule: EightBit):
+    def names(o, p):
+        shapes = {f"state{k}": (p.shape, torch.uint8 if o.eight else torch.float32) for k in _ks(rule)}
+        if o.eight:
+            for k in _ks(rule):
+                shapes[f"qmap{k}"] = ((256,), torch.float32)
+                shapes[f"absmax{k}"] = ((blocks_of(p.numel()),), torch.float32)
+        return shapes
+
+    return names
+
+
+def _ks(rule):
+    return range(1, rule.n_states + 1)
+
+
+def _options(rule: EightBit):
+    def options(group, p):
+        return {"weight_decay": group["weight_decay"] > 0.0}
+
+    return options
+
+
+# -- the programs ---------------------------------------------------------------------------------
+def _build_stages(rule: EightBit):
+    def build_stages(o):
+        ks = _ks(rule)
+        if o.eight:
+            inputs = ["param", "grad", *(f"{n}{k}" for k in ks for n in ("state", "absmax", "qmap"))]
+            kinds = {f"{n}{k}": kind for k in ks for n, kind in zip(_Q_NAMES, _Q_KINDS, strict=True)}
+            return (Pass(program(o, inputs, _eight(rule), kinds)),)
+        inputs = ["param", "grad", *(f"state{k}" for k in ks)]
+        return (Pass(program(o, inputs, _thirty_two(rule))),)
+
+    return build_stages
+
+
+_Q_NAMES = ("state", "absmax", "qmap")
+_Q_KINDS = ("codes", "blocks", "codebook")
+
+
+def _eight(rule):
+    def statements(o, b):
+        grad = b.let("grad", b.tensor("grad") * b.s.gnorm_scale)
+        moments = [
+            b.let(f"s{k}", dequantize(b.tensor(f"state{k}"), b.tensor(f"absmax{k}"), b.tensor(f"qmap{k}")))
+            for k in _ks(rule)
+        ]
+        moments = rule.update_8bit(o, b, grad, moments)
+        for k, m in zip(_ks(rule), moments, strict=True):
+            b.quantize(b.tensor(f"state{k}"), b.tensor(f"absmax{k}"), b.tensor(f"qmap{k}"), m)
+
+    return statements
+
+
+def _thirty_two(rule):
+    def statements(o, b):
+        grad = b.let("grad", b.tensor("grad") * b.s.gnorm_scale)
+        rule.update_32bit(o, b, grad, [b.tensor(f"state{k}") for k in _ks(rule)])
+
+    return statements
+
+
+def _decay(o, b):
+    """``p_fp32.mul_(1.0 - lr * weight_decay)`` where ``weight_decay > 0``."""
+    if o.weight_decay:
+        b.assign(b.tensor("param"), b.tensor("param") * b.s.decay)
+
+
+def _l2(b, grad):
+    """``grad.add_(p_fp32, alpha=weight_decay)``: the 8-bit kernels add it even at 0."""
+    return b.let("grad", add(grad, b.tensor("param"), b.s.weight_decay))
+
+
+def _l2_if(o, b, grad):
+    """``g.add(p, alpha=weight_decay) if weight_decay > 0.0 else g`` (the 32-bit kernel)."""
+    return b.let("grad", add(grad, b.tensor("param"), b.s.weight_decay)) if o.weight_decay else grad
+
+
+# Adam (and LAMB's CPU step): 'adam'
+def _adam_8bit(o, b, grad, moments):
+    m, v = moments
+    m = b.let("s1", add(m * b.s.beta1, grad, b.s.one_minus_beta1))
+    v = b.let("s2", addcmul(v * b.s.beta2, grad, grad, b.s.one_minus_beta2))
+    denom = b.let("denom", sqrt(v) / b.s.correction2 + b.s.eps)
+    _decay(o, b)
+    b.assign(b.tensor("param"), addcdiv(b.tensor("param"), m, denom, b.s.neg_lr_over_correction1))
+    return [m, v]
+
+
+def _adam_32bit(o, b, grad, states):
+    m, v = states
+    b.assign(m, add(m * b.s.beta1, grad, b.s.one_minus_beta1))
+    b.assign(v, addcmul(v * b.s.beta2, grad, grad, b.s.one_minus_beta2))
+    _decay(o, b)
+    update = b.let("update", m / (sqrt(v) + b.s.eps_times_correction2))
+    b.assign(b.tensor("param"), add(b.tensor("param"), update, b.s.step_size))
+
+
+def _adam_scalars(group, state, step):
+    beta1, beta2 = group["betas"][0], group["betas"][1]
+    correction1 = 1.0 - beta1**step
+    correction2 = math.sqrt(1.0 - beta2**step)
+    lr, eps = group["lr"], group["eps"]
+    return {
+        "beta1": beta1,
+        "beta2": beta2,
+        "one_minus_beta1": 1.0 - beta1,
+        "one_minus_beta2": 1.0 - beta2,
+        "correction2": correction2,
+        "eps": eps,
+        "neg_lr_over_correction1": -lr / correction1,
+        "eps_times_correction2": eps * correction2,
+        "step_size": -lr * correction2 / correction1,
+    }
+
+
+# Lion: 'lion'
+def _lion_8bit(o, b, grad, moments):
+    (m,) = moments
+    _decay(o, b)
+    direction = sign(m * b.s.beta1 + grad * b.s.one_minus_beta1)
+    b.assign(b.tensor("param"), add(b.tensor("param"), direction, b.s.neg_lr))
+    return [b.let("s1", add(m * b.s.beta2, grad, b.s.one_minus_beta2))]
+
+
+def _lion_32bit(o, b, grad, states):
+    (m,) = states
+    _decay(o, b)
+    update = b.let("update", add(m * b.s.beta1, grad, b.s.one_minus_beta1))
+    b.assign(b.tensor("param"), add(b.tensor("param"), sign(update), b.s.neg_lr))
+    b.assign(m, add(m * b.s.beta2, grad, b.s.one_minus_beta2))
+
+
+def _lion_scalars(group, state, step):
+    beta1, beta2 = group["betas"][0], group["betas"][1]
+    return {
+        "beta1": beta1,
+        "beta2": beta2,
+        "one_minus_beta1": 1.0 - beta1,
+        "one_minus_beta2": 1.0 - beta2,
+        "neg_lr": -group["lr"],
+    }
+
+
+# SGD with momentum (and LARS's CPU step): 'momentum'
+def _momentum_8bit(o, b, grad, moments):
+    (m,) = moments
+    grad = _l2(b, grad)
+    m = grad if o.first else b.let("s1", m * b.s.beta1 + grad)
+    b.assign(b.tensor("param"), add(b.tensor("param"), m, b.s.neg_lr))
+    return [m]
+
+
+def _momentum_32bit(o, b, grad, states):
+    (m,) = states
+    grad = _l2_if(o, b, grad)
+    b.assign(m, grad if o.first else m * b.s.beta1 + grad)
+    b.assign(b.tensor("param"), add(b.tensor("param"), m, b.s.neg_lr))
+
+
+def _momentum_scalars(group, state, step):
+    return {"beta1": group["betas"][0], "neg_lr": -group["lr"]}
+
+
+# RMSprop: 'rmsprop'
+def _rmsprop_8bit(o, b, grad, moments):
+    (v,) = moments
+    grad = _l2(b, grad)
+    v = b.let("s1", addcmul(v * b.s.beta1, grad, grad, b.s.one_minus_beta1))
+    b.assign(b.tensor("param"), addcdiv(b.tensor("param"), grad, sqrt(v) + b.s.eps, b.s.neg_lr))
+    return [v]
+
+
+def _rmsprop_32bit(o, b, grad, states):
+    (v,) = states
+    grad = _l2_if(o, b, grad)
+    b.assign(v, addcmul(v * b.s.beta1, grad, grad, b.s.one_minus_beta1))
+    update = b.let("update", grad / (sqrt(v) + b.s.eps))
+    b.assign(b.tensor("param"), add(b.tensor("param"), update, b.s.neg_lr))
+
+
+# Adagrad: 'adagrad'
+def _adagrad_8bit(o, b, grad, moments):
+    (v,) = moments
+    grad = _l2(b, grad)
+    v = b.let("s1", addcmul(v, grad, grad, b.s.one))
+    b.assign(b.tensor("param"), addcdiv(b.tensor("param"), grad, sqrt(v) + b.s.eps, b.s.neg_lr))
+    return [v]
+
+
+def _adagrad_32bit(o, b, grad, states):
+    (v,) = states
+    grad = _l2_if(o, b, grad)
+    b.assign(v, addcmul(v, grad, grad, b.s.one))
+    update = b.let("update", grad / (sqrt(v) + b.s.eps))
+    b.assign(b.tensor("param"), add(b.tensor("param"), update, b.s.neg_lr))
+
+
+def _rms_scalars(group, state, step):
+    beta1 = group["betas"][0]
+    return {
+        "beta1": beta1,
+        "one_minus_beta1": 1.0 - beta1,
+        "eps": group["eps"],
+        "neg_lr": -group["lr"],
+        "one": 1.0,
+    }
+
+
+RULES = {
+    "adam": EightBit("adam", 2, _adam_8bit, _adam_32bit, _adam_scalars),
+    "lion": EightBit("lion", 1, _lion_8bit, _lion_32bit, _lion_scalars),
+    "momentum": EightBit("momentum", 1, _momentum_8bit, _momentum_32bit, _momentum_scalars),
+    "rmsprop": EightBit("rmsprop", 1, _rmsprop_8bit, _rmsprop_32bit, _rms_scalars),
+    "adagrad": EightBit("adagrad", 1, _adagrad_8bit, _adagrad_32bit, _rms_scalars),
+}
+
+
+def _scalars(rule: EightBit):
+    def scalars(group, state):
+        step_t = state["step"]
+        step_t += 1
+        step = step_t.value
+        lr, wd = group["lr"], group["weight_decay"]
+        return {
+            **rule.scalars(group, state, step),
+            "gnorm_scale": 1.0,
+            "weight_decay": wd,
+            "decay": 1.0 - lr * wd,
+        }
+
+    return scalars
+
+
+def check_group(group) -> None:
+    """Raise if bitsandbytes' ``GlobalOptimManager`` (where bitsandbytes is imported) overrides the
+    config of a parameter of ``group``: bitsandbytes' step would honour it, this one cannot see it."""
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    manager = getattr(getattr(module, "GlobalOptimManager", None), "_instance", None)
+    if manager is None or not (manager.pid2config or manager.module_weight_config_triple):
+        return
+    if manager.module_weight_config_triple or {id(p) for p in group["params"]} & set(manager.pid2config):
+        raise NotImplementedError(
+            "roundpipe.optim: bitsandbytes' GlobalOptimManager overrides the config of parameters; "
+            "roundpipe's 8-bit optimizers do not read it: put them in a param group of their own instead"
+        )
+
+
+def _spec(name: str, rule: EightBit) -> StagedSpec:
+    return StagedSpec(
+        name,
+        torch.optim.Optimizer,
+        _init_state(rule),
+        _options(rule),
+        state_names(rule),
+        _scalars(rule),
+        _build_stages(rule),
+        check_group=check_group,
+        state_options=state_options,
+        int_state=("step",),
+        rich_kwargs=dict(lr=1e-2, weight_decay=0.1),
+        fidelity_kwargs={},
+    )
+
+
+EIGHTBIT_SPECS = {
+    name: _spec(name, RULES[rule])
+    for name, rule in (
+        ("Adam8bit", "adam"),
+        ("AdamW8bit", "adam"),
+        ("Lion8bit", "lion"),
+        ("SGD8bit", "momentum"),
+        ("RMSprop8bit", "rmsprop"),
+        ("Adagrad8bit", "adagrad"),
+    )
+}
+assert BLOCK == 256

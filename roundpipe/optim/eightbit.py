@@ -11,6 +11,8 @@ refuse: bitsandbytes' CPU step leaves out their trust ratio (docs/contract.md).
 
 from __future__ import annotations
 
+import copy
+import itertools
 import warnings
 
 import torch
@@ -90,14 +92,24 @@ class Optimizer8bit(RoundpipeOptimizer):
         return sd
 
     def load_state_dict(self, state_dict):
-        """Loads ours or bitsandbytes' ``state_dict`` (nested or not); a group without
+        """Loads ours or bitsandbytes' ``state_dict`` (nested or not) from a deep copy, as
+        bitsandbytes does (torch's would share the tensors of ``state_dict``); a group without
         ``min_8bit_size`` (bitsandbytes') takes this optimizer's."""
+        state_dict = copy.deepcopy(state_dict)
         states = {}
         for k, v in state_dict["state"].items():
             if isinstance(v, dict) and QUANT_STATE_KEY in v:
                 v = {**{n: x for n, x in v.items() if n != QUANT_STATE_KEY}, **v[QUANT_STATE_KEY]}
             states[k] = v
         super().load_state_dict({**state_dict, "state": states})
+        # torch's load casts every tensor to its parameter's dtype, the 8-bit codes included;
+        # bitsandbytes keeps the quantization entries as saved
+        saved = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for key, p in zip(saved, params):
+            entry = states.get(key)
+            if isinstance(entry, dict):
+                self.state[p].update({n: v for n, v in entry.items() if n in _QUANT_KEYS})
         for group in self.param_groups:
             group.setdefault("min_8bit_size", self.min_8bit_size)
 

@@ -106,7 +106,7 @@ class Optimizer8bit(RoundpipeOptimizer):
         # bitsandbytes keeps the quantization entries as saved
         saved = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-        for key, p in zip(saved, params):
+        for key, p in zip(saved, params, strict=True):
             entry = states.get(key)
             if isinstance(entry, dict):
                 self.state[p].update({n: v for n, v in entry.items() if n in _QUANT_KEYS})

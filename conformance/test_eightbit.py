@@ -159,3 +159,22 @@ def test_state_dict_layout_is_bitsandbytes():
                 assert _same(a["state"][k][key], value)
     for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True):
         assert {k: v for k, v in ga.items() if k != "min_8bit_size"} == gb
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("position", [0, 7, 100, 254])
+def test_non_finite_gradients_as_bitsandbytes(bad, position):
+    """A NaN or inf in a gradient: bitsandbytes' result (its block max skips a NaN wherever it
+    lies in the block), never a block zeroed on its own."""
+    ours_params, their_params = _pairs()
+    ours, theirs = _make("AdamW8bit", ours_params, {}, "fast"), _make("AdamW8bit", their_params, {})
+    gen = torch.Generator().manual_seed(position)
+    for step in range(3):
+        for a, b in zip(ours_params, their_params, strict=True):
+            g = torch.randn(a.shape, generator=gen)
+            if step == 1:
+                g.view(-1)[position] = bad
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+        _compare(ours, theirs, ours_params, their_params, f"{bad} at {position}, step {step + 1}")

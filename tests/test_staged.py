@@ -11,6 +11,7 @@ import torch
 
 import roundpipe.optim as ro
 from roundpipe.optim.backends.numba_engine import staged as numba_staged
+from roundpipe.optim.backends.numba_engine import staged_probes
 from roundpipe.optim.spec import STAGED_SPECS
 from tests._util import assert_bits_equal
 
@@ -129,7 +130,7 @@ def test_muon_needs_a_torch_that_has_it(monkeypatch):
 def test_the_probe_finds_torchs_reduction_order():
     """On x86-64 torch the whole-tensor and row norms add 8 lanes, then their tail unrolled by
     four (the last ones fused where torch's kernels have FMA); columns add down the rows."""
-    found = numba_staged.torch_reductions()
+    found = staged_probes.torch_reductions()
     assert found is not None and found[0] == 8
 
 
@@ -142,8 +143,8 @@ def test_each_kernel_path_gives_torchs_norms(shape):
     """The aligned (blocked) path, the element-by-element path (rows not a whole number of
     lanes), single rows, single elements, and column vectors (their column norm falls back to
     torch's ops) against torch.norm, bit for bit, at scales where a square underflows."""
-    program = numba_staged._probe_program()
-    order = numba_staged.torch_reductions()
+    program = staged_probes._probe_program()
+    order = staged_probes.torch_reductions()
     for scale in (1.0, 1e-20, 3e18):
         x = _randn(shape, 7) * scale
         x2 = x if x.dim() >= 2 else x.reshape(1, -1)

@@ -46,6 +46,7 @@ from ..tensors import contiguous_run
 from . import CompileCache, composed, numba_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
 from .numba_engine import staged as numba_staged
+from .numba_engine import staged_probes
 from .reference import run_staged
 
 logger = logging.getLogger("roundpipe.optim")
@@ -86,7 +87,7 @@ def staged_fusion(program, fused, tensors):
     read = _arithmetic_inputs(program)
     if not tensors or all([tensors[0][t].dtype is torch.float32 for t in read]):
         return fused
-    mixed = numba_staged.torch_mixed_fusion()
+    mixed = staged_probes.torch_mixed_fusion()
     if mixed is None:
         return None
     return (fused | {"add"}) if mixed else (fused - {"add"})
@@ -278,7 +279,7 @@ class FastBackend(Backend):
             self._log_staged_once(program, None, None)
         elif self.engine(program) == "numba":
             fused = staged_fusion(program, self.numba_engine().fused, tensors)
-            order = numba_staged.torch_reductions() if program.reductions else (8, (False, True))
+            order = staged_probes.torch_reductions() if program.reductions else (8, (False, True))
             if fused is not None and order is not None:
                 # (numba's pool has at most NUMBA_NUM_THREADS threads: asking for more raises)
                 nthreads = min(threads.get_num_threads(), self.numba_engine().max_threads)

@@ -92,45 +92,16 @@ def machine_meta(args) -> dict:
 
 
 def run(args, busy_pids=()) -> dict:
-    quick = args.quick
-    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-    repeats = args.repeats if args.repeats is not None else (3 if quick else 7)
-    bw_numel = (32 if quick else 64) * 2**20
-    bw_repeats = 5 if quick else 9
-
+    """Time every optimizer of ``args`` on its workloads; the results as ``report`` reads them."""
+    warmup, repeats = _repetitions(args)
+    bw_numel = (32 if args.quick else 64) * 2**20
+    bw_repeats = 5 if args.quick else 9
     fused = {n: has_fused(n) for n in args.optimizers}
-    partners_dtype = getattr(args, "partners", None)  # --partners: fused against composition
-    meta = {
-        **machine_meta(args),
-        "busy": args.busy,
-        "busy_pids": list(busy_pids),
-        "load_average_before": args.load_before,
-        "quick": quick,
-        "warmup": warmup,
-        "repeats": repeats,
-        "backends": args.backends,
-        "optimizers": args.optimizers,
-        "options": {n: dict(OPTIONS[n]) for n in args.optimizers},
-        "fused_available": fused,
-        "partners": partners_dtype,
-        "amp": bool(getattr(args, "amp", False)),
-        "after_backward": bool(getattr(args, "after_backward", False)),
-        "argv": sys.argv[1:],
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    engines = f"{', '.join(args.backends)}, for-loop, foreach, fused"
-    if partners_dtype:
-        engines = f"{partners_dtype} partners: {', '.join(partners.CONFIGS)}"
-        if meta["amp"]:
-            engines += ", " + ("loss scaling and clipping" if partners_dtype == "float16" else "clipping")
-    log(
-        f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
-        f"roundpipe {meta['roundpipe_threads']}; warm-up {warmup}, repetitions {repeats}; "
-        f"engines: {engines}; busy processes: {args.busy}"
-    )
-    parts = [w for name in args.workloads for w in workload_parts(name, quick)]
+    meta = _run_meta(args, busy_pids, warmup, repeats, fused)
+    _log_settings(args, meta)
+    parts = [w for name in args.workloads for w in workload_parts(name, args.quick)]
     parts = [w for k, w in enumerate(parts) if w.name not in {v.name for v in parts[:k]}]
-    if partners_dtype:
+    if meta["partners"]:
         meta["one_thread_skipped"] = "--partners times its own table"
     else:
         meta["one_thread_skipped"] = one_thread_skipped(args, parts)
@@ -145,59 +116,7 @@ def run(args, busy_pids=()) -> dict:
     one = None
     with FallbackWatch() as watch:
         for wl in parts:
-            base_params, base_grads = make_workload(wl)
-            numel = sum(p.numel() for p in base_params)
-            log(f"[{wl.name}] {wl.description}: {len(base_params)} tensors, {numel:,} elements")
-            rows, notes = [], {}
-            for name in args.optimizers:
-                t0 = time.perf_counter()
-                keep, why = tensors_for(name, [tuple(p.shape) for p in base_params])
-                if why is not None:
-                    kept = sum(base_params[i].numel() for i in keep)
-                    notes[name] = f"{why}: {len(keep)} of {len(base_params)} tensors, {kept:,} elements"
-                    log(f"  [{wl.name}] {name}: {notes[name]}")
-                if not keep:
-                    continue
-                if partners_dtype:
-                    row = partners.bench_row(
-                        name,
-                        partners_dtype,
-                        fused[name],
-                        base_params,
-                        base_grads,
-                        warmup,
-                        repeats,
-                        wl.name,
-                        amp=meta["amp"],
-                        before=before,
-                    )
-                else:
-                    row = bench_row(
-                        args.backends,
-                        name,
-                        fused[name],
-                        wl,
-                        [base_params[i] for i in keep],
-                        [base_grads[i] for i in keep],
-                        warmup,
-                        repeats,
-                        before,
-                    )
-                gc.collect()
-                show = str if partners_dtype else label
-                times = ", ".join(f"{show(c)} {ms:.2f}" for c, ms in row.median_ms.items())
-                log(f"  [{wl.name}] {name}: {times} ms  ({time.perf_counter() - t0:.1f}s)")
-                rows.append(row)
-            results[wl.name] = {
-                "description": wl.description,
-                "tensors": len(base_params),
-                "numel": numel,
-                "per_param": wl.per_param,
-                "rows": rows,
-                "notes": notes,
-            }
-            del base_params, base_grads
-            gc.collect()
+            results[wl.name] = _bench_workload(args, meta, wl, fused, before)
         if not meta["one_thread_skipped"]:
             one = one_thread_pass(args.optimizers, fused, parts, warmup, repeats, before)
     meta["fast_engine"] = fast_engine(watch.messages)
@@ -214,6 +133,110 @@ def run(args, busy_pids=()) -> dict:
     if one is not None:
         out["one_thread"] = one
     return out
+
+
+def _repetitions(args) -> tuple[int, int]:
+    """``(warm-up steps, timed repetitions)``: the command line's, else the defaults for
+    ``--quick`` or a full run."""
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
+    return warmup, repeats
+
+
+def _run_meta(args, busy_pids, warmup, repeats, fused) -> dict:
+    """What the report's header says about the run: the machine, the load and the settings."""
+    return {
+        **machine_meta(args),
+        "busy": args.busy,
+        "busy_pids": list(busy_pids),
+        "load_average_before": args.load_before,
+        "quick": args.quick,
+        "warmup": warmup,
+        "repeats": repeats,
+        "backends": args.backends,
+        "optimizers": args.optimizers,
+        "options": {n: dict(OPTIONS[n]) for n in args.optimizers},
+        "fused_available": fused,
+        "partners": getattr(args, "partners", None),  # --partners: fused against composition
+        "amp": bool(getattr(args, "amp", False)),
+        "after_backward": bool(getattr(args, "after_backward", False)),
+        "argv": sys.argv[1:],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _log_settings(args, meta) -> None:
+    """One line of the threads, repetitions and engines a run times."""
+    partners_dtype = meta["partners"]
+    engines = f"{', '.join(args.backends)}, for-loop, foreach, fused"
+    if partners_dtype:
+        engines = f"{partners_dtype} partners: {', '.join(partners.CONFIGS)}"
+        if meta["amp"]:
+            engines += ", " + ("loss scaling and clipping" if partners_dtype == "float16" else "clipping")
+    log(
+        f"threads: torch {meta['torch_threads']}, numexpr {meta['numexpr_threads']}, "
+        f"roundpipe {meta['roundpipe_threads']}; warm-up {meta['warmup']}, repetitions {meta['repeats']}; "
+        f"engines: {engines}; busy processes: {args.busy}"
+    )
+
+
+def _bench_workload(args, meta, wl, fused, before) -> dict:
+    """Every optimizer of ``args`` timed on workload ``wl``: its entry of the results."""
+    partners_dtype, warmup, repeats = meta["partners"], meta["warmup"], meta["repeats"]
+    base_params, base_grads = make_workload(wl)
+    numel = sum(p.numel() for p in base_params)
+    log(f"[{wl.name}] {wl.description}: {len(base_params)} tensors, {numel:,} elements")
+    rows, notes = [], {}
+    for name in args.optimizers:
+        t0 = time.perf_counter()
+        keep, why = tensors_for(name, [tuple(p.shape) for p in base_params])
+        if why is not None:
+            kept = sum(base_params[i].numel() for i in keep)
+            notes[name] = f"{why}: {len(keep)} of {len(base_params)} tensors, {kept:,} elements"
+            log(f"  [{wl.name}] {name}: {notes[name]}")
+        if not keep:
+            continue
+        if partners_dtype:
+            row = partners.bench_row(
+                name,
+                partners_dtype,
+                fused[name],
+                base_params,
+                base_grads,
+                warmup,
+                repeats,
+                wl.name,
+                amp=meta["amp"],
+                before=before,
+            )
+        else:
+            row = bench_row(
+                args.backends,
+                name,
+                fused[name],
+                wl,
+                [base_params[i] for i in keep],
+                [base_grads[i] for i in keep],
+                warmup,
+                repeats,
+                before,
+            )
+        gc.collect()
+        show = str if partners_dtype else label
+        times = ", ".join(f"{show(c)} {ms:.2f}" for c, ms in row.median_ms.items())
+        log(f"  [{wl.name}] {name}: {times} ms  ({time.perf_counter() - t0:.1f}s)")
+        rows.append(row)
+    entry = {
+        "description": wl.description,
+        "tensors": len(base_params),
+        "numel": numel,
+        "per_param": wl.per_param,
+        "rows": rows,
+        "notes": notes,
+    }
+    del base_params, base_grads
+    gc.collect()
+    return entry
 
 
 def one_thread_skipped(args, parts) -> str | None:

@@ -19,7 +19,10 @@ Modules, each importing only those listed before it:
 * ``layout``: the address table and each thread's share of a launch;
 * ``kernels``: compiling (``compile_kernel``) and the process's sqrt kind;
 * ``engine``: ``NumbaEngine``, its launches and their replay;
-* ``norms``: the gradients' norm sums in one read-only pass (loss scaling and clipping).
+* ``norms``: the gradients' norm sums in one read-only pass (loss scaling and clipping);
+* the passes of a staged step (Adafactor, Muon): ``staged_source`` (a pass's kernel source) and
+  ``staged_layout`` (a launch's items and scalar rows), ``staged`` (compiling and launching a
+  pass: ``prepare``), ``staged_probes`` (the reduction order and fusion torch's ops have).
 """
 
 from __future__ import annotations

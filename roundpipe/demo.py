@@ -405,7 +405,7 @@ def print_report(args, names, med_step, med_fwd, drift, checks, fallbacks) -> in
     status = 0
     for n in roundpipe:
         diff, bitwise, mismatch = checks[n]
-        exact = bool(getattr(rp_backends.get(n.removeprefix("roundpipe ")), "exact", False))
+        exact = rp_backends.get(n.removeprefix("roundpipe ")).exact
         if bitwise:
             print(f"{n}: a step is bitwise equal to torch's for-loop step (parameters and state)")
         elif mismatch or exact:

@@ -215,7 +215,7 @@ def exact(backend: str) -> bool:
     """Whether ``backend`` claims torch.optim's for-loop bit for bit here
     (``backends.get(backend).exact``: fast and fast:numba where the numba engine's probes say it
     models this torch's rounding, fast:torch, reference); ``check`` then compares every bit."""
-    return bool(getattr(rp_backends.get(backend), "exact", False))
+    return rp_backends.get(backend).exact
 
 
 def check_kind(backend: str) -> str:

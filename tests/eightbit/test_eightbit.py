@@ -173,3 +173,30 @@ def test_codebooks_and_lookup_table_against_bitsandbytes():
     assert ours.tolist() == q.tolist()
     nearest = (x[:, None] - code[None, :]).abs().argmin(1)
     assert nearest.tolist() != q.tolist()
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit", "RMSprop8bit"])
+def test_the_compiled_pass_in_parallel_is_the_reference(name):
+    """The numba engine's blockwise kernel on two threads (parameters large enough for its
+    parallel loop, a partial last block) against the reference backend, bit for bit."""
+    torch.manual_seed(0)
+    sizes = [70001, 300 * 256 + 17]
+    ours = [torch.randn(n, requires_grad=True) for n in sizes]
+    refs = [p.detach().clone().requires_grad_() for p in ours]
+    fast, ref = getattr(ro, name)(ours, backend="fast:numba"), getattr(ro, name)(refs, backend="reference")
+    before = ro.get_num_threads()
+    ro.set_num_threads(2)
+    try:
+        for _ in range(5):
+            for p, q in zip(ours, refs, strict=True):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+            fast.step()
+            ref.step()
+    finally:
+        ro.set_num_threads(before)
+    for p, q in zip(ours, refs, strict=True):
+        assert torch.equal(p, q)
+        for key, value in ref.state[q].items():
+            mine = fast.state[p][key]
+            assert torch.equal(mine, value) if torch.is_tensor(value) else mine == value, key

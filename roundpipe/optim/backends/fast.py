@@ -45,6 +45,7 @@ from ..spec.ir import Call, walk
 from ..tensors import contiguous_run
 from . import CompileCache, composed, numba_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
+from .numba_engine import blockwise as numba_blockwise
 from .numba_engine import staged as numba_staged
 from .numba_engine import staged_probes
 from .reference import run_staged
@@ -275,7 +276,16 @@ class FastBackend(Backend):
         probes found torch's reduction order and fused multiply-adds reproduced; torch's own ops
         (``reference.run_staged``: the same bits) on the other engines, for the 8-bit optimizers'
         blockwise passes, and elsewhere."""
-        if not _staged_compilable(program):
+        if program.blockwise and self.engine(program) == "numba":
+            engine = self.numba_engine()
+            nthreads = min(threads.get_num_threads(), engine.max_threads)
+            launch = numba_blockwise.prepare(
+                program, scalars, tensors, engine.fused, engine.sqrt_kind, engine.sqrt_routine, nthreads
+            )
+            if launch is not None:
+                return launch
+            self._log_staged_once(program, None, None)
+        elif not _staged_compilable(program):
             self._log_staged_once(program, None, None)
         elif self.engine(program) == "numba":
             fused = staged_fusion(program, self.numba_engine().fused, tensors)

@@ -293,13 +293,14 @@ def _scratch(kernel: _Kernel, buffers: list, pad: dict) -> list:
     ]
 
 
-def _block_passes(kernel: _Kernel, early: list, passes: list, sqrt_kind: str):
+def _block_passes(kernel: _Kernel, early: list, passes: list, sqrt_kind: str, size: int = SQRT_BLOCK):
     """``(lines, buffers)``: a block's views, its passes (pass ``k`` stores the ``k``-th
     sqrt's arguments in ``args<k>``, the roots are taken into ``roots<k>``; the last pass runs
-    with every root and stores the targets), and the scratch buffers they use."""
+    with every root and stores the targets), and the scratch buffers they use. ``size``: the
+    block's elements (the 8-bit kernels' blocks are the quantization blocks, ``blockwise``)."""
     lowering = kernel.lowering
     lines = [
-        f"{kernel.view(t)} = carray({_pointer(kernel, t)}({_block_address(r, t)}), {SQRT_BLOCK})"
+        f"{kernel.view(t)} = carray({_pointer(kernel, t)}({_block_address(r, t)}), {size})"
         for r, t in enumerate(kernel.tensors)
     ]
     buffers = []
@@ -325,7 +326,7 @@ def _block_passes(kernel: _Kernel, early: list, passes: list, sqrt_kind: str):
             # pass 0 also stores the targets whose final value it has computed
             *(f"{kernel.view(t)}[i] = {lowering.current[t]}" for t in (early if k == 0 else ())),
         ]
-        lines += [f"for i in range({SQRT_BLOCK}):", *_indent(body), *_roots(sqrt_kind, args, f"roots{k}")]
+        lines += [f"for i in range({size}):", *_indent(body), *_roots(sqrt_kind, args, f"roots{k}", size)]
         buffers += [*([] if stored else [f"args{k}"]), f"roots{k}"]
     last = passes[-1]
     body = [
@@ -333,7 +334,7 @@ def _block_passes(kernel: _Kernel, early: list, passes: list, sqrt_kind: str):
         *(rec.line for rec in last.records),
         *kernel.stores([t for t in kernel.targets if t not in early]),
     ]
-    return lines + [f"for i in range({SQRT_BLOCK}):", *_indent(body)], buffers
+    return lines + [f"for i in range({size}):", *_indent(body)], buffers
 
 
 def _pass_loads(kernel: _Kernel, early: list, one) -> list:
@@ -346,13 +347,13 @@ def _pass_loads(kernel: _Kernel, early: list, one) -> list:
     ]
 
 
-def _roots(kind: str, args: str, roots: str) -> list:
+def _roots(kind: str, args: str, roots: str, size: int = SQRT_BLOCK) -> list:
     """The lines that take a block's roots, ``args`` -> ``roots`` (SQRT_BLOCK elements, of which
     the first ``block_count`` are the slice's: the rest is a partial block's zero padding)."""
     if kind == "routine":  # sqrt_routine == 0: torch's sqrt is correctly rounded
         return [
             "if sqrt_routine == 0:",
-            f"    for i in range({SQRT_BLOCK}):",
+            f"    for i in range({size}):",
             f"        {roots}[i] = np.sqrt({args}[i])",
             "else:",
             f"    call_sqrt_at(sqrt_routine, block_count, {args}.ctypes.data, {roots}.ctypes.data)",
@@ -365,10 +366,10 @@ def _roots(kind: str, args: str, roots: str) -> list:
         f"args_at = {args}.ctypes.data",
         f"roots_at = {roots}.ctypes.data",
         "off_path = 0",
-        f"for i in range(0, {SQRT_BLOCK}, {SQRT_LANES}):",
+        f"for i in range(0, {size}, {SQRT_LANES}):",
         f"    off_path |= {EMULATION_INTRINSICS[kind]}(args_at + 4 * i, roots_at + 4 * i)",
         "if off_path:",
-        f"    call_sqrt_at(sqrt_routine, {SQRT_BLOCK}, args_at, roots_at)",
+        f"    call_sqrt_at(sqrt_routine, {size}, args_at, roots_at)",
         f"grouped = block_count - (block_count & {SQRT_LANES - 1})",
         "if grouped < block_count:",
         "    call_sqrt_at(sqrt_routine, block_count - grouped, args_at + 4 * grouped,"

@@ -35,6 +35,18 @@ def fma(typingctx, a, b, c):
 
 
 @intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bits are the int32 ``bits`` (a bitcast: no memory between them)."""
+    if bits != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
 def call_sqrt_at(typingctx, routine, n, src, dst):
     """``routine(n, src, dst, VML_MODE)``: the sqrt routine at address ``routine`` (vmsSqrt's
     signature: int32 count, float32 in, float32 out, int64 mode) on ``n`` elements, the arrays
@@ -140,6 +152,8 @@ prefetch2 = _prefetch(2)
 # the float32 / uint16 (bfloat16, float16 bits) pointer at a tensor's data_ptr()
 f32ptr = _pointer(types.float32)
 u16ptr = _pointer(types.uint16)
+u8ptr = _pointer(types.uint8)  # an 8-bit state's codes and its lookup table (blockwise)
+i32ptr = _pointer(types.int32)  # a block's table positions (blockwise)
 
 
 def _lane_add(lanes: int):

@@ -44,6 +44,9 @@ CASES = [
     ("RMSprop8bit", dict(lr=1e-3, alpha=0.9, eps=1e-6, weight_decay=0.1)),
     ("Adagrad8bit", {}),
     ("Adagrad8bit", dict(lr=0.1, weight_decay=0.1, eps=1e-8)),
+    ("AdEMAMix8bit", {}),
+    ("AdEMAMix8bit", dict(lr=1e-2, alpha=2.0, t_alpha=10, t_beta3=10, weight_decay=0.0)),
+    ("PagedAdEMAMix8bit", dict(betas=(0.8, 0.99, 0.999), min_8bit_size=256)),
 ]
 
 

@@ -417,11 +417,59 @@ class LARS8bit(_Refused):
     )
 
 
-class AdEMAMix8bit(_Refused):
-    reason = (
-        "not yet implemented in roundpipe (its two first moments share one 8-bit state); use bitsandbytes'."
-    )
+class AdEMAMix8bit(Optimizer8bit):
+    """bitsandbytes' ``AdEMAMix8bit``: a fast and a slow first moment (``state1``, two halves)."""
+
+    spec = _spec("AdEMAMix8bit")
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999, 0.9999),
+        alpha=5.0,
+        t_alpha=None,
+        t_beta3=None,
+        eps=1e-8,
+        weight_decay=1e-2,
+        min_8bit_size=MIN_8BIT_SIZE,
+        is_paged=False,
+        *,
+        backend=None,
+    ):
+        _check_hyperparameters(lr, eps, betas, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults.update(alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3)
+        self._setup(params, defaults, None, min_8bit_size, backend, paged=is_paged)
 
 
 class PagedAdEMAMix8bit(AdEMAMix8bit):
-    pass
+    """bitsandbytes' ``PagedAdEMAMix8bit``: on the CPU, ``AdEMAMix8bit`` (it warns, as bitsandbytes does)."""
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999, 0.9999),
+        alpha=5.0,
+        t_alpha=None,
+        t_beta3=None,
+        eps=1e-8,
+        weight_decay=1e-2,
+        min_8bit_size=MIN_8BIT_SIZE,
+        *,
+        backend=None,
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            alpha,
+            t_alpha,
+            t_beta3,
+            eps,
+            weight_decay,
+            min_8bit_size,
+            True,
+            backend=backend,
+        )

@@ -25,7 +25,7 @@ import torch
 
 from .codebooks import BLOCK, blocks_of, dynamic_map
 from .ir import add, addcdiv, addcmul, dequantize, sign, sqrt
-from .staged import Pass, StagedSpec, program
+from .staged import Between, Pass, StagedSpec, program
 
 __all__ = ["EIGHTBIT_SPECS", "EightBit", "MIN_8BIT_SIZE"]
 
@@ -347,6 +347,140 @@ def _spec(name: str, rule: EightBit) -> StagedSpec:
     )
 
 
+# AdEMAMix: 'ademamix'. Its two first moments (fast, ``beta1``; slow, ``beta3``) share ``state1``,
+# of shape ``(2, *p.shape)`` (and ``absmax1``, ``(2, blocks)``), each half quantized on its own; a
+# Between stage names the halves (views: the last pass writes them in place).
+def _ademamix_init_state(group, p, state):
+    if len(state) == 0:
+        state["step"] = 0
+        eight = p.numel() >= group.get("min_8bit_size", MIN_8BIT_SIZE)
+        if eight:
+            n = blocks_of(p.numel())
+            state["qmap1"], state["qmap2"] = _codebook(signed=True), _codebook(signed=False)
+            state["absmax1"] = torch.zeros((2, n), dtype=torch.float32)
+            state["absmax2"] = torch.zeros((n,), dtype=torch.float32)
+        dtype = torch.uint8 if eight else torch.float32
+        state["state1"] = torch.zeros((2, *p.shape), dtype=dtype)
+        state["state2"] = torch.zeros_like(p, dtype=dtype)
+
+
+def _ademamix_state_names(o, p):
+    dtype = torch.uint8 if o.eight else torch.float32
+    shapes = {"state1": ((2, *p.shape), dtype), "state2": (p.shape, dtype)}
+    if o.eight:
+        n = blocks_of(p.numel())
+        shapes.update(qmap1=((256,), torch.float32), qmap2=((256,), torch.float32))
+        shapes.update(absmax1=((2, n), torch.float32), absmax2=((n,), torch.float32))
+    return shapes
+
+
+def _halves(ctx):
+    for name in ("state1", "absmax1"):
+        if name in ctx:
+            ctx[f"{name}_fast"], ctx[f"{name}_slow"] = ctx[name][0], ctx[name][1]
+
+
+def _ademamix_update(b, grad, m1, m2, nu, assign):
+    m1 = assign(m1, "m1", add(m1 * b.s.beta1, grad, b.s.one_minus_beta1))
+    m2 = assign(m2, "m2", add(m2 * b.s.beta3, grad, b.s.one_minus_beta3))
+    nu = assign(nu, "nu", addcmul(nu * b.s.beta2, grad, grad, b.s.one_minus_beta2))
+    mixed = b.let("mixed", m1 / b.s.correction1 + b.s.alpha * m2)
+    adaptive = b.let("adaptive", sqrt(nu) / b.s.correction2 + b.s.eps)
+    return m1, m2, nu, b.let("update", mixed / adaptive)
+
+
+def _ademamix_statements(o, b):
+    grad = b.let("grad", b.tensor("grad") * b.s.gnorm_scale)
+    param = b.tensor("param")
+    if o.eight:
+        q = [("state1_fast", "absmax1_fast", "qmap1"), ("state1_slow", "absmax1_slow", "qmap1")]
+        q.append(("state2", "absmax2", "qmap2"))
+        values = [b.let(f"s{k}", dequantize(*(b.tensor(n) for n in names))) for k, names in enumerate(q)]
+        m1, m2, nu, update = _ademamix_update(b, grad, *values, lambda t, name, e: b.let(name, e))
+    else:
+        q = []
+        states = [b.tensor(n) for n in ("state1_fast", "state1_slow", "state2")]
+        m1, m2, nu, update = _ademamix_update(b, grad, *states, lambda t, name, e: b.assign(t, e))
+    _decay(o, b)
+    b.assign(param, add(param, update, b.s.neg_lr))
+    for names, value in zip(q, (m1, m2, nu), strict=False):
+        b.quantize(*(b.tensor(n) for n in names), value)
+
+
+def _ademamix_stages(o):
+    if o.eight:
+        names = (
+            "state1_fast",
+            "state1_slow",
+            "absmax1_fast",
+            "absmax1_slow",
+            "qmap1",
+            "state2",
+            "absmax2",
+            "qmap2",
+        )
+        kinds = dict(
+            zip(
+                names,
+                ("codes", "codes", "blocks", "blocks", "codebook", "codes", "blocks", "codebook"),
+                strict=True,
+            )
+        )
+    else:
+        names, kinds = ("state1_fast", "state1_slow", "state2"), None
+    return (Between(_halves), Pass(program(o, ["param", "grad", *names], _ademamix_statements, kinds)))
+
+
+def _ademamix_scalars(group, state):
+    step_t = state["step"]
+    step_t += 1
+    step = step_t.value
+    beta1, beta2, beta3 = group["betas"]
+    alpha, t_alpha, t_beta3 = group["alpha"], group["t_alpha"], group["t_beta3"]
+    if t_alpha or t_beta3:  # bitsandbytes' schedules, as its update_step writes them
+        alpha = min(step * alpha / t_alpha, alpha) if t_alpha else alpha
+        if t_beta3:
+            ln_beta1, ln_beta3 = math.log(beta1), math.log(beta3)
+            step_scale = step / t_beta3
+            beta3 = min(
+                math.exp((ln_beta1 * ln_beta3) / (((1 - step_scale) * ln_beta3) + (step_scale * ln_beta1))),
+                beta3,
+            )
+    lr, wd = group["lr"], group["weight_decay"]
+    return {
+        "gnorm_scale": 1.0,
+        "beta1": beta1,
+        "beta2": beta2,
+        "beta3": beta3,
+        "one_minus_beta1": 1.0 - beta1,
+        "one_minus_beta2": 1.0 - beta2,
+        "one_minus_beta3": 1.0 - beta3,
+        "alpha": alpha,
+        "correction1": 1.0 - beta1**step,
+        "correction2": math.sqrt(1.0 - beta2**step),
+        "eps": group["eps"],
+        "neg_lr": -lr,
+        "decay": 1.0 - lr * wd,
+    }
+
+
+def _ademamix_spec() -> StagedSpec:
+    return StagedSpec(
+        "AdEMAMix8bit",
+        torch.optim.Optimizer,
+        _ademamix_init_state,
+        lambda group, p: {"weight_decay": group["weight_decay"] > 0.0},
+        _ademamix_state_names,
+        _ademamix_scalars,
+        _ademamix_stages,
+        check_group=check_group,
+        state_options=state_options,
+        int_state=("step",),
+        rich_kwargs=dict(lr=1e-2, weight_decay=0.1),
+        fidelity_kwargs={},
+    )
+
+
 EIGHTBIT_SPECS = {
     name: _spec(name, RULES[rule])
     for name, rule in (
@@ -358,4 +492,5 @@ EIGHTBIT_SPECS = {
         ("Adagrad8bit", "adagrad"),
     )
 }
+EIGHTBIT_SPECS["AdEMAMix8bit"] = _ademamix_spec()
 assert BLOCK == 256

@@ -47,7 +47,7 @@ def test_signature_is_bitsandbytes(name):
         (lambda p: ro.Adam8bit(p, args=object()), ValueError, "args= is not supported"),
         (lambda p: ro.LAMB8bit(p), NotImplementedError, "no trust ratio"),
         (lambda p: ro.LARS8bit(p, lr=0.1, momentum=0.9), NotImplementedError, "no trust ratio"),
-        (lambda p: ro.AdEMAMix8bit(p, betas=(0.9, 0.999, 1.0)), ValueError, "Invalid beta parameter at index 2"),
+        (lambda p: ro.AdEMAMix8bit(p, betas=(0.9, 0.999, 1.0)), ValueError, "Invalid beta parameter at"),
     ],
 )
 def test_refused_at_construction(make, error, match):

@@ -44,8 +44,11 @@ class BlockwiseLowering(KernelLowering):
         quantized = self.__dict__.setdefault("quantized", [])
         k = len(quantized)
         code = self(st.expr)
-        local = Code(f"qv{k}", {f"qv{k}"})
-        self.records.append(Record(str(local), code, uses_of(code)))
+        local = code if code.isidentifier() else Code(f"qv{k}", {f"qv{k}"})
+        if local is not code:
+            self.records.append(Record(str(local), code, uses_of(code)))
+        # (a let's own local where the value is one: the block passes then see when the first
+        # pass has it, store it there and take a root of it from the scratch block)
         self.current[f"q{k}"] = local
         self.views[f"q{k}"] = f"qbuf{k}"
         quantized.append(st)

@@ -186,3 +186,28 @@ def test_non_finite_gradients_as_bitsandbytes(bad, position):
         ours.step()
         theirs.step()
         _compare(ours, theirs, ours_params, their_params, f"{bad} at {position}, step {step + 1}")
+
+
+def test_loss_scaling_and_a_scheduler_as_bitsandbytes():
+    """``ro.GradScaler`` (the unscale folded into the step) and a scheduler against torch's
+    GradScaler (in-place unscale) and the same scheduler on bitsandbytes, bit for bit; a step
+    with an inf gradient is skipped by both."""
+    ours_params, their_params = _pairs()
+    ours, theirs = _make("AdamW8bit", ours_params, {}, "fast"), _make("AdamW8bit", their_params, {})
+    scalers = ro.GradScaler("cpu", init_scale=2.0**12), torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    lambdas = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 0.9**t) for o in (ours, theirs)]
+    gen = torch.Generator().manual_seed(4)
+    for step in range(8):
+        grads = [torch.randn(p.shape, generator=gen) * 2.0**12 for p in ours_params]
+        if step == 3:
+            grads[2].view(-1)[5] = float("inf")
+        runs = zip((ours, theirs), (ours_params, their_params), scalers, lambdas, strict=True)
+        for opt, params, scaler, sched in runs:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            scaler.scale(torch.ones(()))  # (what a backward's loss would be scaled by)
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+        _compare(ours, theirs, ours_params, their_params, f"GradScaler and LambdaLR, step {step + 1}")

@@ -62,6 +62,7 @@ def test_eightbit_rows_beside_bitsandbytes(tmp_path, capsys, tiny):
     code, text, doc = _run(tmp_path, capsys, "--optimizers AdamW8bit --workloads small")
     assert code == 0
     assert "roundpipe against torch's fused fp32 step, bitsandbytes' and torchao's" in text
+    assert "busy processes 0; load average before the run " in text
     assert "(bitsandbytes: 0." in text and "torchao: not installed)" in text
     assert (
         "AdamW8bit: against bitsandbytes (2 steps, parameters and every state entry): fast bit for bit"

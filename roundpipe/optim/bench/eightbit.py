@@ -20,7 +20,7 @@ bit (a mismatch makes the exit status 1); without bitsandbytes the check says it
 from __future__ import annotations
 
 import gc
-import importlib
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -272,6 +272,7 @@ def run(args, names, meta: dict, before=None) -> dict:
     bandwidth = summarize_bandwidth({op: samples[op] + more[op] for op in samples}, bw_numel)
     versions = {c: _version(c) for c in THIRD_PARTY}
     meta = {**meta, "warmup": warmup, "repeats": repeats, "elapsed_s": time.perf_counter() - t0}
+    meta.update(busy=args.busy, load_average_before=getattr(args, "load_before", None))
     return {"meta": meta, "versions": versions, "bandwidth": bandwidth, "workloads": workloads}
 
 
@@ -279,8 +280,7 @@ def _version(column: str) -> str:
     module, why = third_party(column)
     if module is None:
         return why
-    top = importlib.import_module(THIRD_PARTY[column])  # imported already, by third_party
-    return getattr(top, "__version__", "unknown version")
+    return getattr(sys.modules[THIRD_PARTY[column]], "__version__", "unknown version")  # imported above
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,13 +337,14 @@ def check_text(row: EightRow) -> str:
 
 def report(result: dict, backends) -> str:
     meta, bw, versions = result["meta"], result["bandwidth"], result["versions"]
-    gbps = bw["ceiling_GBps"]
+    gbps, load = bw["ceiling_GBps"], meta.get("load_average_before")
     out = [
         "8-bit optimizers: roundpipe against torch's fused fp32 step, bitsandbytes' and torchao's "
         f"8-bit steps on the CPU (bitsandbytes: {versions[BNB]}; torchao: {versions[TORCHAO]})",
         f"threads: torch {meta['torch_threads']}, cpus {meta['cpu_count']}; median of {meta['repeats']} "
         f"round-robin repetitions after {meta['warmup']} warm-up step(s); memory bandwidth ceiling "
-        f"{gbps:.1f} GB/s (in-place mul_ and copy_, before and after the rows)",
+        f"{gbps:.1f} GB/s (in-place mul_ and copy_, before and after the rows); busy processes "
+        f"{meta['busy']}" + (f"; load average before the run {load[0]:.2f}" if load else ""),
         f"B/elem: bytes a step must move per element: {EIGHT_BIT_BYTES} for 8-bit state (param read+write "
         f"8, grad 4, two 1-byte moments read+written 4; absmax left out), {FP32_BYTES} for fp32 state "
         f"(torch fused, and bitsandbytes' and torchao's tensors under {MIN_8BIT_SIZE} elements); "

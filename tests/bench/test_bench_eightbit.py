@@ -109,6 +109,15 @@ def test_eightbit_rows_without_bitsandbytes(tmp_path, capsys, tiny, monkeypatch)
     assert tiny == ["rp fast", "rp reference", "torch fused"]
 
 
+def test_eightbit_workloads():
+    """large is the issue's 4 x 4M in both modes; per_param is not run for these rows."""
+    for quick in (True, False):
+        (large,) = eightbit.workload_parts("large", quick)
+        assert large.shapes == ((4 * 2**20,),) * 4
+        assert eightbit.workload_parts("per_param", quick) == []
+        assert eightbit.workload_parts("small", quick) == bench.workload_parts("small", quick)
+
+
 def test_eightbit_arguments():
     assert bench.parse_args(["--optimizers", "adamw8bit"]).optimizers == ["AdamW8bit"]
     assert "AdamW8bit" not in bench.parse_args([]).optimizers  # only when named

@@ -255,6 +255,9 @@ def run(args, names, meta: dict, before=None) -> dict:
     samples = measure_bandwidth(bw_numel, bw_repeats)
     t0 = time.perf_counter()
     parts = [w for n in args.workloads for w in workload_parts(n, args.quick)]
+    skipped = [n for n in args.workloads if not workload_parts(n, args.quick)]
+    if skipped:
+        log(f"8-bit rows: {', '.join(skipped)} not timed (one optimizer per tensor: not for these rows)")
     parts = [w for k, w in enumerate(parts) if w.name not in {v.name for v in parts[:k]}]
     workloads = {}
     for wl in parts:

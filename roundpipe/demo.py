@@ -1,7 +1,7 @@
 """Demo: train a small GPT-style language model with roundpipe's AdamW and torch's, side by side.
 
     python -m roundpipe.demo [--steps 30] [--threads N] [--backend fast] [--compare fast:torch,...]
-                             [--optimizer AdamW|Adafactor] [--small]
+                             [--optimizer AdamW|Adafactor|AdamW8bit] [--small]
                              [--mixed float16|bfloat16 [--compute auto|16-bit|float32]]
 
 Identical copies of one model (``build_model``: token and position embeddings, pre-LayerNorm
@@ -35,6 +35,10 @@ measured in this run.
 matrix's second moment factored into a row and a column statistic). torch has no fused
 Adafactor: its second copy is then ``torch foreach`` (``foreach=True``), and the speedups are
 over torch's foreach and for-loop.
+
+``--optimizer AdamW8bit`` trains with roundpipe's 8-bit AdamW against torch's fused fp32 AdamW
+and, where installed, bitsandbytes' AdamW8bit, and checks after every step that roundpipe's copy
+is bitsandbytes' bit for bit (``demo_eightbit.py``; 10 steps by default).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roundpipe import demo_mixed
+from roundpipe import demo_eightbit, demo_mixed
 from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim.bench.engine import FallbackWatch, fast_engine
@@ -62,7 +66,7 @@ SIZES = {"default": (16384, 512, 4, 8, 64, 2), "small": (512, 64, 2, 4, 16, 2)}
 SUCCESSORS = 4  # each token of the synthetic language is followed by one of this many tokens
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
 # --optimizer: each one's hyperparameters (Adafactor: torch's lr, with weight decay)
-HYPERS = {"AdamW": HYPER, "Adafactor": {"lr": 1e-2, "weight_decay": 0.1}}
+HYPERS = {"AdamW": HYPER, "Adafactor": {"lr": 1e-2, "weight_decay": 0.1}, "AdamW8bit": HYPER}
 OPTIMIZERS = tuple(HYPERS)
 LOOP, FUSED, FOREACH = "torch for-loop", "torch fused", "torch foreach"
 # torch's fastest CPU path of each, the demo's second copy: fused where torch has a CPU kernel
@@ -141,9 +145,10 @@ def roundpipe_optimizer(backend: str, optimizer: str = "AdamW"):
 
 
 def optimizer_kinds(backend: str | None, compare=(), optimizer: str = "AdamW") -> dict:
-    """name -> a function that makes that ``optimizer`` (AdamW, or Adafactor) for some
-    parameters, in the demo's order: roundpipe's default (or ``backend``), torch fused (for
-    Adafactor, which torch has no fused kernel for: torch foreach), torch's for-loop, then each
+    """name -> a function that makes that ``optimizer`` (AdamW, Adafactor or AdamW8bit) for
+    some parameters, in the demo's order: roundpipe's default (or ``backend``), torch fused (for
+    Adafactor, which torch has no fused kernel for: torch foreach), torch's for-loop (for
+    AdamW8bit instead: bitsandbytes', where installed; ``demo_eightbit``), then each
     ``compare`` backend. A roundpipe name carries the backend actually used (``roundpipe
     fast``). ValueError for an unknown backend or optimizer, ImportError for a backend that
     cannot load here."""
@@ -151,11 +156,14 @@ def optimizer_kinds(backend: str | None, compare=(), optimizer: str = "AdamW") -
         raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
     probe = [nn.Parameter(torch.zeros(1))]
     chosen = rp_optim.AdamW(probe, backend=backend).backend  # None: the environment, else "fast"
-    kinds = {
-        f"roundpipe {chosen}": roundpipe_optimizer(chosen, optimizer),
-        SECOND[optimizer]: torch_second(optimizer),
-        LOOP: lambda ps: torch_for_loop(ps, optimizer),
-    }
+    if optimizer in demo_eightbit.OPTIMIZERS:  # against torch fused fp32 and bitsandbytes
+        kinds = demo_eightbit.optimizer_kinds(chosen, HYPERS[optimizer], optimizer)
+    else:
+        kinds = {
+            f"roundpipe {chosen}": roundpipe_optimizer(chosen, optimizer),
+            SECOND[optimizer]: torch_second(optimizer),
+            LOOP: lambda ps: torch_for_loop(ps, optimizer),
+        }
     for b in compare:
         name = rp_optim.AdamW(probe, backend=b).backend  # an alias (native) resolved
         kinds.setdefault(f"roundpipe {name}", roundpipe_optimizer(name, optimizer))
@@ -219,7 +227,9 @@ def table(header, rows) -> str:
 def parse_args(argv=None):
     """``(args, kinds)``: the command line, and the optimizers it asks for (``optimizer_kinds``)."""
     parser = argparse.ArgumentParser(prog="python -m roundpipe.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    parser.add_argument(
+        "--steps", type=int, help=f"training steps (default 30; {demo_eightbit.STEPS} with AdamW8bit)"
+    )
     parser.add_argument(
         "--backend", default=None, help="roundpipe's backend (default: fast, or the environment's)"
     )
@@ -238,7 +248,8 @@ def parse_args(argv=None):
         choices=OPTIMIZERS,
         default="AdamW",
         help="the optimizer every copy trains with (default AdamW; Adafactor: against torch's "
-        "foreach and for-loop, torch having no fused Adafactor)",
+        "foreach and for-loop, torch having no fused Adafactor; AdamW8bit: against torch's fused "
+        "fp32 AdamW and bitsandbytes' AdamW8bit where installed, bit for bit the latter)",
     )
     parser.add_argument("--small", action="store_true", help="a tiny model (for tests: seconds)")
     parser.add_argument("--seed", type=int, default=0)
@@ -255,6 +266,8 @@ def parse_args(argv=None):
         "16-bit parameters (default auto: float32 where a 16-bit matmul is slow on this CPU)",
     )
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = demo_eightbit.STEPS if args.optimizer in demo_eightbit.OPTIMIZERS else 30
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     if args.compute is not None and not args.mixed:
@@ -293,6 +306,8 @@ def main(argv=None) -> int:
     del model
     names = list(runs)
     _print_header(args, names[0], sizes, size)
+    if args.optimizer in demo_eightbit.OPTIMIZERS:
+        return demo_eightbit.run(args, runs, data, gen, batch)
     med_step, med_fwd, drift, checks, fallbacks = train(args, runs, kinds, data, gen, batch)
     return print_report(args, names, med_step, med_fwd, drift, checks, fallbacks)
 

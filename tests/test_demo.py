@@ -4,11 +4,12 @@ It is never given ``--threads``: that would set numexpr's thread count for the t
 """
 
 import copy
+import sys
 
 import pytest
 import torch
 
-from roundpipe import demo, demo_mixed
+from roundpipe import demo, demo_eightbit, demo_mixed
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim import bench
 
@@ -137,3 +138,64 @@ def test_matmul_slowdown_measures_and_restores_threads():
 def test_demo_compute_needs_mixed():
     with pytest.raises(SystemExit):
         demo.main(["--small", "--steps", "1", "--compute", "float32"])
+
+
+def _bnb_importable() -> bool:
+    return demo_eightbit.bitsandbytes_optim() is not None
+
+
+def test_demo_adamw8bit_defaults_and_copies():
+    """--optimizer AdamW8bit: 10 steps by default (30 for the others); its copies: roundpipe's,
+    torch's fused fp32 AdamW, bitsandbytes' where importable, then each --compare backend."""
+    assert demo.parse_args(["--optimizer", "AdamW8bit"])[0].steps == demo_eightbit.STEPS
+    assert demo.parse_args([])[0].steps == 30
+    kinds = demo.optimizer_kinds(None, ["fast:torch"], "AdamW8bit")
+    bnb = [demo_eightbit.BNB] if _bnb_importable() else []
+    assert list(kinds) == ["roundpipe fast", demo.FUSED, *bnb, "roundpipe fast:torch"]
+    with pytest.raises(SystemExit):
+        demo.main(["--small", "--steps", "1", "--optimizer", "AdamW8bit", "--mixed", "bfloat16"])
+
+
+@pytest.mark.skipif(not _bnb_importable(), reason="bitsandbytes cannot be imported here")
+def test_demo_adamw8bit_is_bitsandbytes_bit_for_bit(capsys):
+    assert demo.main(["--small", "--steps", "2", "--optimizer", "AdamW8bit", "--compare", "reference"]) == 0
+    text = capsys.readouterr().out
+    assert "steps of AdamW8bit(lr=0.001, betas=(0.9, 0.95), weight_decay=0.1) per copy" in text
+    assert (
+        "step | loss roundpipe fast | loss torch fused | loss bitsandbytes | loss roundpipe reference" in text
+    )
+    assert "torch fused AdamW (fp32 state)" in text and "vs bitsandbytes" in text
+    for n in ("roundpipe fast", "roundpipe reference"):
+        assert f"speedup of {n} AdamW8bit over torch fused fp32 AdamW: " in text
+        assert (
+            f"{n}: bit for bit bitsandbytes' AdamW8bit: parameters after each of the 2 steps, "
+            "and every state entry after the last" in text
+        )
+
+
+@pytest.mark.skipif(not _bnb_importable(), reason="bitsandbytes cannot be imported here")
+def test_demo_adamw8bit_reports_a_mismatch(capsys, monkeypatch):
+    """A difference from bitsandbytes is named, with its step, and the exit status is 1."""
+    monkeypatch.setattr(demo_eightbit, "_params_mismatch", lambda a, b: "parameter 0 (512, 64): made up")
+    assert demo.main(["--small", "--steps", "2", "--optimizer", "AdamW8bit"]) == 1
+    captured = capsys.readouterr()
+    assert "roundpipe fast: NOT bit for bit bitsandbytes' AdamW8bit (from step 1)" in captured.out
+    assert "from step 1: parameter 0 (512, 64): made up" in captured.err
+
+
+def test_demo_adamw8bit_without_bitsandbytes(capsys, monkeypatch):
+    """bitsandbytes' import failing (as where it is not installed): the demo runs without its copy
+    and says that roundpipe's was not compared with it."""
+    for key in [k for k in sys.modules if k == "bitsandbytes" or k.startswith("bitsandbytes.")]:
+        monkeypatch.delitem(sys.modules, key)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    assert demo_eightbit.bitsandbytes_optim() is None
+    assert demo.main(["--small", "--steps", "2", "--optimizer", "AdamW8bit"]) == 0
+    text = capsys.readouterr().out
+    assert "step | loss roundpipe fast | loss torch fused\n" in text
+    assert "vs bitsandbytes" not in text
+    assert "speedup of roundpipe fast AdamW8bit over torch fused fp32 AdamW: " in text
+    assert (
+        "roundpipe fast: not compared with bitsandbytes (not installed here: pip install bitsandbytes)"
+        in text
+    )

@@ -29,6 +29,14 @@ and no Muon foreach (``n/a``); empty tensors are left out for Adafactor (torch's
 the element count). A staged step's bytes per element sum its passes' (``traffic.staged_bytes``);
 ``state B/el`` is the optimizer state's bytes per parameter element after the timed steps.
 
+``--optimizers AdamW8bit`` (or ``Adam8bit``; run only when named) times roundpipe's 8-bit
+optimizer apart from the rest (``eightbit``), on ``large`` (4 x 4M for these rows), ``small`` and
+``transformer``: roundpipe's backends against torch's fused fp32 step and bitsandbytes' and
+torchao's 8-bit CPU steps (each where installed; bitsandbytes and torchao are imported by the
+bench only, inside functions), with each column's bandwidth bound (16 bytes an element for 8-bit
+state), state bytes and peak extra memory per parameter (``eightbit_memory``: a subprocess per
+column), each roundpipe backend checked against bitsandbytes bit for bit.
+
 Workloads (``--workloads``, default all): ``large`` (4 x 16M fp32), ``small`` (about 2,000
 tensors of 0 to 1,024 elements), ``transformer`` (32000x512 embedding + 8 layers at d=512) and
 ``per_param``: one optimizer per parameter, each stepped once per step, as offload wrappers
@@ -106,7 +114,8 @@ Modules: ``workloads`` (options, shapes, the configurations and the check agains
 ``traffic`` (bytes per element from the spec), ``timing`` (the round-robin loop, the bandwidth
 probe, ``--busy`` workers, threads), ``report`` (tables, the summary, JSON, plot), ``engine``
 (which engine ``fast`` runs), ``first_use`` (``--first-use``), ``partners`` (``--partners``),
-``cli`` (arguments, the run and its one-thread pass, ``main``).
+``eightbit`` and ``eightbit_memory`` (the 8-bit rows), ``cli`` (arguments, the run and its
+one-thread pass, ``main``).
 """
 
 from .cli import ALL_BACKENDS, _backends, _names, machine_meta, main, parse_args, run

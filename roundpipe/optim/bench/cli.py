@@ -20,7 +20,7 @@ import roundpipe.optim.threads as rp_threads
 from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
 
-from . import first_use, partners
+from . import eightbit, first_use, partners
 from .engine import FallbackWatch, fast_engine
 from .report import failures_of, plot, report, to_json
 from .timing import (
@@ -416,11 +416,13 @@ def _parser():
     p.add_argument("--quick", action="store_true", help="a few minutes: fewer repetitions, smaller workloads")
     p.add_argument(
         "--optimizers",
-        type=lambda s: _names(s, ALL_OPTIMIZERS, "optimizer"),
+        type=lambda s: _names(s, (*ALL_OPTIMIZERS, *eightbit.OPTIMIZERS), "optimizer"),
         default=None,
-        help=f"comma-separated from {','.join(ALL_OPTIMIZERS)}, e.g. Adam,SGD (default: all but "
-        "Muon, whose step is mostly torch's bfloat16 Newton-Schulz matmuls; with --partners: the "
-        "elementwise ones, all but Adafactor and Muon)",
+        help=f"comma-separated from {','.join(ALL_OPTIMIZERS + eightbit.OPTIMIZERS)}, e.g. Adam,SGD "
+        "(default: all but Muon, whose step is mostly torch's bfloat16 Newton-Schulz matmuls, and "
+        "the 8-bit ones; with --partners: the elementwise ones, all but Adafactor and Muon); "
+        "AdamW8bit: roundpipe's against torch's fused fp32 AdamW, bitsandbytes' and torchao's "
+        "AdamW8bit (where installed), with state and peak memory per parameter",
     )
     p.add_argument(
         "--workloads",
@@ -507,6 +509,9 @@ def _parser():
 
 def _check_args(p, args):
     """What argparse cannot check alone: combinations and ranges (``p.error`` exits)."""
+    eight = [n for n in args.optimizers if n in eightbit.OPTIMIZERS]
+    if eight and (args.partners or args.first_use or args.plot):
+        p.error(f"{', '.join(eight)}: timed in the normal mode, without --partners, --first-use or --plot")
     if args.partners:
         if args.first_use:
             p.error("--partners and --first-use are two different runs: give one")
@@ -561,15 +566,25 @@ def main(argv=None) -> int:
     if args.first_use:
         return main_first_use(args)
     args.load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    eight = [n for n in args.optimizers if n in eightbit.OPTIMIZERS]  # timed apart: eightbit.py
+    args.optimizers = [n for n in args.optimizers if n not in eight]
+    text, doc, failures = "", {}, []
     with _options(args.option):  # the report derives bytes per element from them too
         with busy(args.busy) as pids:
-            result = run(args, pids)
-        if args.partners:
+            result = run(args, pids) if args.optimizers else None
+            before = ForwardBackward() if eight and args.after_backward else None
+            extra = eightbit.run(args, eight, machine_meta(args), before) if eight else None
+        if result is None:
+            pass
+        elif args.partners:
             text, doc = partners.report(result), partners.to_json(result)
             failures = partners.failures_of(result)
         else:
             text, doc = report(result, args.backends), to_json(result, args.backends)
             failures = failures_of(result, args.backends)
+    if extra is not None:
+        text = "\n\n".join(t for t in (text, eightbit.report(extra, args.backends)) if t)
+        doc["eightbit"], failures = eightbit.to_json(extra), failures + eightbit.failures_of(extra)
     print(text, flush=True)
     if args.json:
         with open(args.json, "w") as f:

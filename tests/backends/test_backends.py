@@ -25,7 +25,9 @@ from ._common import (
 def test_program_uses_every_function():
     prog = every_function_program()
     used = {n.fn for st in prog.statements for n in walk(st.expr) if isinstance(n, Call)}
-    assert used == set(FUNCTIONS), "add the missing functions to every_function_program"
+    # dequantize reads an 8-bit state, which only the 8-bit family's blockwise passes have
+    # (tests/eightbit, conformance/test_eightbit.py)
+    assert used == set(FUNCTIONS) - {"dequantize"}, "add the missing functions to every_function_program"
 
 
 @pytest.mark.parametrize("w", [0.1, 0.9], ids=["lerp-small", "lerp-large"])

@@ -64,21 +64,22 @@ def _run_root(kind, x, out):
     """Runs ``kind``'s exact rsqrt on the float32 tensor ``x`` into ``out`` (in blocks as the
     kernels take them, the last one short)."""
     intrinsic = ROOT_INTRINSICS[kind]
-    source = "\n".join(
+    # (jit_module wants both kernels; only the serial one is compiled)
+    kernels = [
         [
-            f"# exact rsqrt probe of {__name__}, root {kind}",
-            f"from {__package__}.exact_root import {intrinsic}",
             "",
             "",
-            "def kernel_parallel(src, dst, n):",
+            f"def kernel_{name}(src, dst, n):",
             "    for start in range(0, n, 512):",
             f"        {intrinsic}(src + 4 * start, dst + 4 * start, min(512, n - start))",
-            "",
-            "",
-            "kernel_serial = kernel_parallel",
-            "",
         ]
-    )
+        for name in ("parallel", "serial")
+    ]
+    header = [
+        f"# exact rsqrt probe of {__name__}, root {kind}",
+        f"from {__package__}.exact_root import {intrinsic}",
+    ]
+    source = "\n".join([*header, *kernels[0], *kernels[1], ""])
     _, serial, _ = jit_module(import_numba(), "roundpipe_root_", source)
     serial(x.data_ptr(), out.data_ptr(), x.numel())
 

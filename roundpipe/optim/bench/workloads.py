@@ -60,7 +60,9 @@ def tensors_for(name: str, shapes) -> tuple[list[int], str | None]:
 
 WORKLOADS = ("large", "small", "transformer", "per_param")
 PER_PARAM_PARTS = ("per_param_small", "per_param_large")  # what ``per_param`` runs
-WORKLOAD_NAMES = (*WORKLOADS, *PER_PARAM_PARTS)  # what --workloads accepts
+# asked for by name only: Adafactor's matrices (a factored second moment), issue 48's shapes
+EXTRA_WORKLOADS = ("matrices",)
+WORKLOAD_NAMES = (*WORKLOADS, *PER_PARAM_PARTS, *EXTRA_WORKLOADS)  # what --workloads accepts
 
 TORCH_CONFIGS = ("torch for-loop", "torch foreach", "torch fused")
 LOOP, FOREACH, FUSED = TORCH_CONFIGS
@@ -99,6 +101,10 @@ def workload_parts(name: str, quick: bool) -> list[Workload]:
         n = (2 if quick else 16) * 2**20
         desc = f"4 tensors of {n // 2**20}M fp32 ({n * 4 // 2**20} MiB each)"
         return [Workload(name, desc, ((n,),) * 4)]
+    if name == "matrices":
+        n = 1024 if quick else 2048
+        desc = f"4 matrices of {n}x{n} + 8 vectors of {n} fp32 (Adafactor's factored second moment)"
+        return [Workload(name, desc, ((n, n),) * 4 + ((n,),) * 8)]
     if name == "small":
         g = torch.Generator().manual_seed(1234)
         sizes = torch.randint(0, 1025, (2000,), generator=g).tolist()

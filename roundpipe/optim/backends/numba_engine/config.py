@@ -52,6 +52,18 @@ EMULATION_FEATURES = {
     "emulated-avx512": "avx512f",  # vrsqrt14ps on zmm registers
 }
 
+# How a staged kernel takes torch's ``rsqrt`` (``1 / sqrt``, each rounded): ``divider`` with
+# the CPU's root and division instructions; each ``exact-*`` kind a block at a time from the
+# CPU's estimates (``exact_root.py``), where ``probes.find_root_kind`` finds it bit for bit
+ROOT_KINDS = ("divider", "exact-avx512", "exact-avx")
+# Whether staged kernels probe for an exact kind at all: off, because on the CPUs measured so far
+# (AMD EPYC, Zen 4) the divider computes the two roundings faster than the estimates and their
+# corrections do (docs/numba-engine.md); the same bits either way
+EXACT_ROOT = False
+ROOT_INTRINSICS = {"exact-avx512": "exact_rsqrt_avx512", "exact-avx": "exact_rsqrt_avx"}
+# what each needs of numba's target (as EMULATION_FEATURES: never compiled where missing)
+ROOT_FEATURES = {"exact-avx512": ("avx512f",), "exact-avx": ("avx", "fma")}
+
 # the low-precision dtypes of a pairing (masters.py: bfloat16/float16 gradients and partners)
 LOW_PRECISION = ("bfloat16", "float16")
 

@@ -227,3 +227,51 @@ def find_sqrt_kind(run_root_kernel) -> str:
             return kind
         logger.debug("roundpipe.optim numba engine: sqrt %s differs from torch.sqrt on the probe", kind)
     return "routine"
+
+
+# -- which exact rsqrt equals torch.rsqrt ----------------------------------------------------
+
+
+def root_probe_values() -> torch.Tensor:
+    """The exact rsqrt probe's float32: every float in [1, 4) (two binades: the root of ``4 * x``
+    is that of ``x`` times two, every step scaled exactly), every 61st in the lowest binades the
+    fast path takes and in the top one, every 257th subnormal, random bit patterns, and specials
+    (zero, inf, NaN, negatives, the largest float)."""
+    full = torch.arange(0x3F800000, 0x40800000, dtype=torch.int32)
+    low = torch.arange(0x0D800000, 0x0E800000, 61, dtype=torch.int32)  # [2**-100, 2**-98)
+    top = torch.arange(0x7F000000, 0x7F800000, 61, dtype=torch.int32)  # [2**127, max]
+    subnormal = torch.arange(0, 0x00800000, 257, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    random = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int32)
+    inf, largest = float("inf"), 3.4028234663852886e38
+    special = torch.tensor([0.0, -0.0, -1.0, inf, -inf, float("nan"), largest, -largest, 2.0**-126, 2**-100])
+    bits = torch.cat([full, low, top, subnormal, random])
+    return torch.cat([bits.view(torch.float32), special])
+
+
+def find_root_kind(run_root_kernel) -> str:
+    """The first exact rsqrt (``config.ROOT_KINDS``) numba's target can run whose results equal
+    ``torch.rsqrt`` bit for bit on every ``root_probe_values``, else ``divider`` (the root and the
+    division as instructions, which are torch's by construction).
+
+    ``run_root_kernel(kind, x, out)`` runs that kind's intrinsic on ``x`` into ``out``.
+    """
+    from .config import ROOT_FEATURES, ROOT_KINDS
+
+    x = root_probe_values()
+    want = float_bits(torch.rsqrt(x).numpy())
+    features = target_features()
+    for kind in ROOT_KINDS[1:]:
+        if not all(f in features for f in ROOT_FEATURES[kind]):
+            continue
+        out = torch.empty_like(x)
+        try:
+            run_root_kernel(kind, x, out)
+        except Exception as err:  # an intrinsic this LLVM lacks: the next one
+            logger.debug("roundpipe.optim numba engine: rsqrt %s unavailable: %s", kind, err)
+            continue
+        if np.array_equal(float_bits(out.numpy()), want):
+            logger.debug("roundpipe.optim numba engine: rsqrt %s equals torch.rsqrt on the probe", kind)
+            return kind
+        logger.debug("roundpipe.optim numba engine: rsqrt %s differs from torch.rsqrt on the probe", kind)
+    return "divider"

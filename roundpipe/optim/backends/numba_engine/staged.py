@@ -6,14 +6,18 @@ out (``staged_layout``) and returns the launch, which a later step of the same t
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
 from ...spec.ir import Reduce
 from .. import CompileCache
 from ..formulas import lerp_variant, lerp_weights
-from .config import PARALLEL_MIN_NUMEL, import_numba
+from . import config
+from .config import PARALLEL_MIN_NUMEL, ROOT_INTRINSICS, import_numba
 from .kernels import jit_module, keep_torch_threads
+from .probes import find_root_kind
 from .staged_layout import _items, _scalar_rows, _schedule, column_norms_reproduced, matrix_dims
 from .staged_source import clamped_quotients, floor_variant, generate
 
@@ -28,15 +32,56 @@ _parallel: set = set()  # the parallel ones
 def compile_pass(program, variant, fused, dtypes, lanes, order, floors=()):
     """``(dispatcher, scalar names, constants)`` for a pass; compiled once per process (and
     kept in the disk cache, as the engine's kernels are)."""
-    key = (program, variant, fused, tuple(dtypes.values()), lanes, order, floors)
-    return _kernels.get(key, lambda: _compile(program, variant, fused, dtypes, lanes, order, floors))
+    root = root_kind()
+    key = (program, variant, fused, tuple(dtypes.values()), lanes, order, floors, root)
+    return _kernels.get(key, lambda: _compile(program, variant, fused, dtypes, lanes, order, floors, root))
 
 
-def _compile(program, variant, fused, dtypes, lanes, order, floors):
-    source, names, consts = generate(program, variant, fused, dtypes, lanes, order, floors)
+def _compile(program, variant, fused, dtypes, lanes, order, floors, root):
+    source, names, consts = generate(program, variant, fused, dtypes, lanes, order, floors, root)
     parallel, serial, _ = jit_module(import_numba(), "roundpipe_staged_", source)
     _parallel.add(parallel)
     return (parallel, serial), names, consts
+
+
+_root = None
+_root_lock = threading.Lock()
+
+
+def root_kind() -> str:
+    """How this process's staged kernels take ``rsqrt`` (``config.ROOT_KINDS``): ``divider``
+    unless ``config.EXACT_ROOT``, then probed once (``probes.find_root_kind``) with a kernel that
+    runs each candidate's intrinsic alone."""
+    global _root
+    if _root is None:
+        with _root_lock:
+            if _root is None:
+                _root = find_root_kind(_run_root) if config.EXACT_ROOT else "divider"
+    return _root
+
+
+def _run_root(kind, x, out):
+    """Runs ``kind``'s exact rsqrt on the float32 tensor ``x`` into ``out`` (in blocks as the
+    kernels take them, the last one short)."""
+    intrinsic = ROOT_INTRINSICS[kind]
+    # (jit_module wants both kernels; only the serial one is compiled)
+    kernels = [
+        [
+            "",
+            "",
+            f"def kernel_{name}(src, dst, n):",
+            "    for start in range(0, n, 512):",
+            f"        {intrinsic}(src + 4 * start, dst + 4 * start, min(512, n - start))",
+        ]
+        for name in ("parallel", "serial")
+    ]
+    header = [
+        f"# exact rsqrt probe of {__name__}, root {kind}",
+        f"from {__package__}.exact_root import {intrinsic}",
+    ]
+    source = "\n".join([*header, *kernels[0], *kernels[1], ""])
+    _, serial, _ = jit_module(import_numba(), "roundpipe_root_", source)
+    serial(x.data_ptr(), out.data_ptr(), x.numel())
 
 
 _LAYOUTS_KEPT = 16  # a launch's cache keeps a few layouts (the last steps' shapes)

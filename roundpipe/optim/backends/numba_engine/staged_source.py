@@ -26,7 +26,7 @@ import numpy as np
 
 from ...spec.ir import Assign, Bin, Call, Let, Reduce, Scalar, Tensor, walk
 from ..formulas import Lowering
-from .config import GENERATOR_VERSION
+from .config import GENERATOR_VERSION, ROOT_INTRINSICS
 
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
 
@@ -84,6 +84,10 @@ class _Dialect(Lowering):
         self.shapes = dict(program.shapes)
         self.normal_floors = {f for f, ok in zip(clamped_quotients(program), floors, strict=True) if ok}
         self.reciprocals: list = []  # broadcast inputs read as a float64 reciprocal, once per row
+        # where ``rsqrt`` is taken for a block (``block_root``): ``argument`` binds its argument
+        # (``self.root_arg``), ``root`` reads the block's result; ``inline`` divides by the root
+        self.root_mode = "inline"
+        self.root_arg = None
 
     def tensor(self, name):
         return self.names[name]
@@ -103,6 +107,14 @@ class _Dialect(Lowering):
     def fma(self, a, b, c):
         self.uses_fma = True
         return f"fma({a}, {b}, {c})"
+
+    def fn_rsqrt(self, x):
+        if self.root_mode == "inline":
+            return super().fn_rsqrt(x)
+        if self.root_mode == "argument":
+            self.root_arg = self(x)
+            return self.const(0.0)  # (what it feeds is not stored: LLVM drops it)
+        return "roots[q]"
 
     def fn_clamp_min(self, x, lo):
         if not (_clamped_quotient(x, lo, self.shapes) and lo.name in self.normal_floors):
@@ -175,12 +187,35 @@ def _setup(names):
     ]
 
 
-def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floors=()):
+def _rsqrts(program) -> int:
+    """How many ``rsqrt`` the program takes."""
+    return sum(isinstance(n, Call) and n.fn == "rsqrt" for st in program.statements for n in walk(st.expr))
+
+
+def _block_root(program, dialect, dtypes, loads, root):
+    """``(argument lines, call, root lines, stores)``: a block's loop binding the argument of the
+    program's one ``rsqrt`` into ``roots``, the call taking them in place (``root``'s intrinsic),
+    and the loop reading them; or None where the kernel divides by the root element by element
+    (``root`` is ``divider``, or the program has no or several roots)."""
+    if root == "divider" or _rsqrts(program) != 1:
+        return None
+    dialect.root_mode = "argument"
+    argument, _, _ = _element_code(program, dialect, dtypes, "i", loads)
+    argument.append(f"roots[q] = {dialect.root_arg}")
+    dialect.root_mode = "root"
+    body, stores, _ = _element_code(program, dialect, dtypes, "i", loads)
+    dialect.root_mode = "inline"
+    return argument, f"{ROOT_INTRINSICS[root]}(roots.ctypes.data, roots.ctypes.data, count)", body, stores
+
+
+def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floors=(), root="divider"):
     """``(source, row names, constants)`` of ``program``'s kernel, ``kernel(...)``; ``floors``:
-    ``floor_variant`` of the launch's scalars."""
+    ``floor_variant`` of the launch's scalars; ``root``: how ``rsqrt`` is taken
+    (``config.ROOT_KINDS``)."""
     dialect = _Dialect(program, variant, fused, floors)
     shapes = dict(program.shapes)
     loads = _loads(shapes)
+    blocks = _block_root(program, dialect, dtypes, loads, root)
     body, stores, reduced = _element_code(program, dialect, dtypes, "i", loads)
     names = (*sorted(dialect.scalars), *sorted(dialect.consts))
     views = _views(program, shapes, dtypes)
@@ -189,9 +224,9 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floo
     if program.reductions:
         if program.targets:
             raise ValueError("a staged pass either assigns or reduces")
-        kernel = _reducing(program, body, reduced, lanes, order, names, views, per_row)
+        kernel = _reducing(program, body, reduced, lanes, order, names, views, per_row, blocks)
     else:
-        kernel = _elementwise(body, stores, names, views, per_row)
+        kernel = _elementwise(body, stores, names, views, per_row, blocks)
     low = sorted({d for d in dtypes.values() if d != "float32"})
     conversions = [f"{w}_{d}" for d in low for w in ("widen", "narrow")]
     lines = [
@@ -201,11 +236,14 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floo
         *(f"#   {line}" for line in str(program).splitlines()),
         f"# lerp variant {tuple(variant)!r}, normal floors {tuple(floors)!r}, "
         f"fused {sorted(dialect.fused)!r}, lanes {lanes}, "
-        f"(column fma, tail fma) {order}, dtypes {sorted(dtypes.items())!r}",
+        f"(column fma, tail fma) {order}, dtypes {sorted(dtypes.items())!r}"
+        # (a divider's text as before the exact roots: the disk cache keeps its kernels)
+        + ("" if blocks is None else f", root {root}"),
         "import numpy as np",
         "from numba import prange",
         f"from {_PACKAGE}.intrinsics import f32ptr, u16ptr, fma, lane_add8, lane_add16, wide_vectors",
         *([f"from {_PACKAGE}.conversions import {', '.join(conversions)}"] if conversions else []),
+        *([f"from {_PACKAGE}.exact_root import {ROOT_INTRINSICS[root]}"] if blocks else []),
         "",
         "",
         *kernel,
@@ -220,24 +258,50 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floo
     return "\n".join(lines) + "\n", tuple(sorted(dialect.scalars)), consts
 
 
-def _elementwise(body, stores, names, views, per_row):
-    """Items ``(p, r0, r1, j0, j1)``: rows ``[r0, r1)`` of parameter ``p``, columns ``[j0, j1)``."""
-    return [
+def _elementwise(body, stores, names, views, per_row, blocks=None):
+    """Items ``(p, r0, r1, j0, j1)``: rows ``[r0, r1)`` of parameter ``p``, columns ``[j0, j1)``;
+    with ``blocks`` (``_block_root``), a row's columns in blocks of ``BLOCK``."""
+    head = [
         "def kernel_parallel(items, addresses, dims, scalar_rows, outs):",
         "    for it in prange(items.shape[0]):",
         "        wide_vectors()",
         "        p = items[it, 0]",
         *_indent(_setup(names), 2),
         *_indent(views, 2),
+    ]
+    if blocks is None:
+        return [
+            *head,
+            "        for r in range(items[it, 1], items[it, 2]):",
+            "            b = r // m",
+            *_indent(per_row, 3),
+            "            for j in range(items[it, 3], items[it, 4]):",
+            "                i = r * n + j",
+            *_indent(body, 4),
+            *_indent(stores, 4),
+            "",
+        ]
+    argument, call, body, stores = blocks
+    return [
+        "BLOCK = 512",
+        "",
+        "",
+        *head,
+        "        roots = np.empty(BLOCK, np.float32)",
         "        for r in range(items[it, 1], items[it, 2]):",
         "            b = r // m",
         *_indent(per_row, 3),
-        "            for j in range(items[it, 3], items[it, 4]):",
-        "                i = r * n + j",
-        *_indent(body, 4),
-        *_indent(stores, 4),
+        "            for start in range(items[it, 3], items[it, 4], BLOCK):",
+        "                count = min(BLOCK, items[it, 4] - start)",
+        *_indent(_root_loops(argument, call, body + stores), 4),
         "",
     ]
+
+
+def _root_loops(argument, call, body):
+    """A block's two loops around the root's call (``_block_root``)."""
+    loop = ["for q in range(count):", "    j = start + q", "    i = r * n + j"]
+    return [*loop, *_indent(argument, 1), call, *loop, *_indent(body, 1)]
 
 
 def _tail_step(acc, v, index, length, tail_fma):
@@ -254,16 +318,18 @@ def _tail_step(acc, v, index, length, tail_fma):
     ]
 
 
-def _reducing(program, body, reduced, lanes, order, names, views, per_row):
+def _reducing(program, body, reduced, lanes, order, names, views, per_row, blocks=None):
     """One parameter a thread; the reductions in torch's order (see the module docstring).
 
     Where the lanes of the whole-tensor norm line up with each row's (rows a whole number of
     lanes long, or one row), a row is taken in blocks of ``BLOCK`` elements: a loop LLVM
     vectorizes computes each block's squares (and adds the column sums), then the lane sums
     take them in order. Elsewhere each element in turn (small matrices: ``(33, 17)``). A norm
-    over one element is its absolute value, as torch's."""
+    over one element is its absolute value, as torch's. With ``blocks`` (``_block_root``), a
+    block takes its roots at once."""
     g = _norm_lines(program, reduced, lanes, order)
     row_finish = g["row_finish"]
+    loops = _squares_loops(body, g, blocks)
     return [
         "BLOCK = 512",
         "",
@@ -290,11 +356,7 @@ def _reducing(program, body, reduced, lanes, order, names, views, per_row):
         "            if aligned:",
         "                for start in range(0, cut, BLOCK):",
         "                    count = min(BLOCK, cut - start)",
-        "                    for q in range(count):",
-        "                        j = start + q",
-        "                        i = r * n + j",
-        *_indent(body, 6),
-        *_indent(g["square"], 6),
+        *_indent(loops, 5),
         *_indent(g["lane_sums"], 5),
         *_indent(row_finish, 4),
         "                for j in range(cut, n):",
@@ -313,6 +375,15 @@ def _reducing(program, body, reduced, lanes, order, names, views, per_row):
         *_indent(g["final"], 2),
         "",
     ]
+
+
+def _squares_loops(body, g, blocks):
+    """The loops computing an aligned block's squares (``_reducing``)."""
+    if blocks is None:
+        loop = ["for q in range(count):", "    j = start + q", "    i = r * n + j"]
+        return [*loop, *_indent(body + g["square"], 1)]
+    g["init"].append("roots = np.empty(BLOCK, np.float32)")
+    return _root_loops(blocks[0], blocks[1], blocks[2] + g["square"])
 
 
 # the line groups of a reducing kernel, each spliced in at its place in ``_reducing``'s loops

@@ -175,15 +175,21 @@ def test_codebooks_and_lookup_table_against_bitsandbytes():
     assert nearest.tolist() != q.tolist()
 
 
-@pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit", "RMSprop8bit"])
-def test_the_compiled_pass_in_parallel_is_the_reference(name):
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [("AdamW8bit", {}), ("Lion8bit", {}), ("RMSprop8bit", {}), ("AdamW8bit", {"min_8bit_size": 1 << 30})],
+    ids=["AdamW8bit", "Lion8bit", "RMSprop8bit", "AdamW8bit-32-bit-state"],
+)
+def test_the_compiled_pass_in_parallel_is_the_reference(name, kwargs):
     """The numba engine's blockwise kernel on two threads (parameters large enough for its
-    parallel loop, a partial last block) against the reference backend, bit for bit."""
+    parallel loop, a partial last block) against the reference backend, bit for bit; with
+    32-bit state too (bitsandbytes' 32-bit update, its roots MKL's, runs in the same kernel)."""
     torch.manual_seed(0)
     sizes = [70001, 300 * 256 + 17]
     ours = [torch.randn(n, requires_grad=True) for n in sizes]
     refs = [p.detach().clone().requires_grad_() for p in ours]
-    fast, ref = getattr(ro, name)(ours, backend="fast:numba"), getattr(ro, name)(refs, backend="reference")
+    fast = getattr(ro, name)(ours, backend="fast:numba", **kwargs)
+    ref = getattr(ro, name)(refs, backend="reference", **kwargs)
     before = ro.get_num_threads()
     ro.set_num_threads(2)
     try:

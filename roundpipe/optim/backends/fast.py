@@ -276,7 +276,7 @@ class FastBackend(Backend):
         probes found torch's reduction order and fused multiply-adds reproduced; torch's own ops
         (``reference.run_staged``: the same bits) on the other engines, for the 8-bit optimizers'
         blockwise passes, and elsewhere."""
-        if program.blockwise and self.engine(program) == "numba":
+        if numba_blockwise.compiles(program) and self.engine(program) == "numba":
             engine = self.numba_engine()
             nthreads = min(threads.get_num_threads(), engine.max_threads)
             launch = numba_blockwise.prepare(

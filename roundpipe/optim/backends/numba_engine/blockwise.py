@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ...spec import codebooks
-from ...spec.ir import Quantize
+from ...spec.ir import QUANTIZED_KINDS, Call, Quantize, walk
 from .codegen import _block_passes, _Kernel
 from .config import EMULATION_INTRINSICS, GENERATOR_VERSION, LOW_PRECISION, PARALLEL_MIN_NUMEL, import_numba
 from .kernels import jit_module, keep_torch_threads
@@ -290,6 +290,21 @@ def lookup_table(codebook: torch.Tensor) -> torch.Tensor:
     if hit is None:
         hit = _tables[key] = torch.from_numpy(codebooks.lookup_table(codebook))
     return hit
+
+
+def compiles(program) -> bool:
+    """Whether this kernel runs ``program``: an 8-bit pass, or another elementwise pass with
+    torch's roots (the 8-bit family's 32-bit updates), which the staged kernels do not take;
+    no reductions and no broadcast inputs."""
+    shapes = dict(program.shapes)
+    if program.reductions or any(kind not in QUANTIZED_KINDS for kind in shapes.values()):
+        return False
+    return program.blockwise or _takes_roots(program)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_roots(program) -> bool:
+    return any(isinstance(n, Call) and n.fn == "sqrt" for st in program.statements for n in walk(st.expr))
 
 
 def supported(program, tensors) -> bool:

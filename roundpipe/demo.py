@@ -227,9 +227,7 @@ def table(header, rows) -> str:
 def parse_args(argv=None):
     """``(args, kinds)``: the command line, and the optimizers it asks for (``optimizer_kinds``)."""
     parser = argparse.ArgumentParser(prog="python -m roundpipe.demo", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--steps", type=int, help=f"training steps (default 30; {demo_eightbit.STEPS} with AdamW8bit)"
-    )
+    parser.add_argument("--steps", type=int, help="training steps (default 30)")
     parser.add_argument(
         "--backend", default=None, help="roundpipe's backend (default: fast, or the environment's)"
     )
@@ -267,7 +265,7 @@ def parse_args(argv=None):
     )
     args = parser.parse_args(argv)
     if args.steps is None:
-        args.steps = demo_eightbit.STEPS if args.optimizer in demo_eightbit.OPTIMIZERS else 30
+        args.steps = 30
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     if args.compute is not None and not args.mixed:

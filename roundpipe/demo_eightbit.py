@@ -26,7 +26,6 @@ from roundpipe.optim.bench.eightbit import state_bytes
 from roundpipe.optim.bench.workloads import bits_mismatch
 
 OPTIMIZERS = ("AdamW8bit",)
-STEPS = 10  # the default --steps: about a minute on 2 cores while the step runs torch ops
 FUSED, BNB = "torch fused", "bitsandbytes"
 
 

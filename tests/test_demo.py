@@ -145,9 +145,9 @@ def _bnb_importable() -> bool:
 
 
 def test_demo_adamw8bit_defaults_and_copies():
-    """--optimizer AdamW8bit: 10 steps by default (30 for the others); its copies: roundpipe's,
+    """--optimizer AdamW8bit: 30 steps by default, as the others; its copies: roundpipe's,
     torch's fused fp32 AdamW, bitsandbytes' where importable, then each --compare backend."""
-    assert demo.parse_args(["--optimizer", "AdamW8bit"])[0].steps == demo_eightbit.STEPS
+    assert demo.parse_args(["--optimizer", "AdamW8bit"])[0].steps == 30
     assert demo.parse_args([])[0].steps == 30
     kinds = demo.optimizer_kinds(None, ["fast:torch"], "AdamW8bit")
     bnb = [demo_eightbit.BNB] if _bnb_importable() else []

@@ -116,6 +116,12 @@ def dequantize(codes, blocks, codebook, out=None):
     return torch.mul(codebook[codes.long()], _per_element(blocks, codes), out=out)
 
 
+def lookup_table(codebook: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' 65,536-entry table of ``codebook`` (uint8), built once per codebook's values
+    (the reference's quantize and the numba engine's kernel both read it)."""
+    return _table(codebook.numpy().tobytes())
+
+
 @functools.lru_cache(maxsize=8)
 def _table(code_bytes: bytes) -> torch.Tensor:
     code = torch.frombuffer(bytearray(code_bytes), dtype=torch.float32)
@@ -129,7 +135,7 @@ def quantize_(codes, blocks, codebook, value):
     absmax = codebooks.block_absmax(flat.numpy())
     inv = torch.from_numpy(absmax).reciprocal()
     normed = flat * _per_element(inv, flat)
-    table = _table(codebook.numpy().tobytes())
+    table = lookup_table(codebook)
     picked = table[torch.from_numpy(codebooks.lut_position(normed.numpy()))]
     picked[_per_element(torch.from_numpy(absmax), flat) == 0] = 0  # an all-zero block: code 0
     codes.view(-1).copy_(picked)

@@ -193,7 +193,7 @@ def _group_plan(spec, name, state, created, gi, group, indices, params, pairs):
             )
         o = spec.param_options(group, p, st)
         for n in spec.scalar_state:
-            problem = _scalar_problem(spec, st.get(n), f": optimizer state {n!r}")
+            problem = _scalar_problem(n in spec.int_state, st.get(n), f": optimizer state {n!r}")
             if problem is not None:
                 raise_problem(problem, where())
         names = {n: _shape_and_dtype(kind) for n, kind in spec.state_names(Options(o), p).items()}
@@ -241,13 +241,13 @@ def _shape_and_dtype(kind) -> tuple:
     return torch.Size(kind), _F32
 
 
-def _scalar_problem(spec, value, what):
-    """A 0-d state entry's problem; a Python int for the spec's ``int_state``."""
-    if spec.int_state and what.endswith(tuple(f"{n!r}" for n in spec.int_state)):
-        if type(value) is int and value >= 0:
-            return None
-        return KeyError, f"{what} must be a non-negative Python int (the step count), got {value!r}"
-    return scalar_state_problem(value, what)
+def _scalar_problem(is_int, value, what):
+    """A 0-d state entry's problem; ``is_int``: the entry is a Python int (``int_state``)."""
+    if not is_int:
+        return scalar_state_problem(value, what)
+    if type(value) is int and value >= 0:
+        return None
+    return KeyError, f"{what} must be a non-negative Python int (the step count), got {value!r}"
 
 
 def _plain_state(t, shape, dtype) -> bool:

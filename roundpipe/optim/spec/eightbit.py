@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codebooks import BLOCK, blocks_of, dynamic_map
+from .codebooks import blocks_of, dynamic_map
 from .ir import add, addcdiv, addcmul, dequantize, sign, sqrt
 from .staged import Between, Pass, StagedSpec, program
 
@@ -493,4 +493,3 @@ EIGHTBIT_SPECS = {
     )
 }
 EIGHTBIT_SPECS["AdEMAMix8bit"] = _ademamix_spec()
-assert BLOCK == 256

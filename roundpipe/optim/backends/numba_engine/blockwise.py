@@ -22,10 +22,11 @@ import torch
 
 from ...spec import codebooks
 from ...spec.ir import QUANTIZED_KINDS, Call, Quantize, walk
+from ..torch_ops import lookup_table
 from .codegen import _block_passes, _Kernel
 from .config import EMULATION_INTRINSICS, GENERATOR_VERSION, LOW_PRECISION, PARALLEL_MIN_NUMEL, import_numba
 from .kernels import jit_module, keep_torch_threads
-from .lowering import Code, KernelLowering, Record, sqrt_passes, uses_of
+from .lowering import Code, KernelLowering, Record, local_name, sqrt_passes, uses_of
 from .staged_layout import _scalar_rows
 
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
@@ -78,8 +79,8 @@ def generate(program, variant, fused, sqrt_kind, grad_dtype="float32"):
     pseudo = tuple(f"q{k}" for k in range(len(quantized)))
     targets = tuple(t for t in program.targets if t in shaped) + pseudo
     kernel = _Kernel(lowering, targets, shaped, low, None)
-    early, passes = sqrt_passes(lowering, targets) if lowering.sqrt_cuts else ([], [None])
     if lowering.sqrt_cuts:
+        early, passes = sqrt_passes(lowering, targets)
         body, buffers = _block_passes(kernel, early, passes, sqrt_kind, BLOCK)
     else:
         body, buffers = _single_pass(kernel), []
@@ -225,8 +226,6 @@ def _kernel(kernel, program, quantized, row_of, names, buffers, body) -> list:
 
 def _block_address(r, t) -> str:
     # the local codegen's block passes read a tensor's block address from (its naming)
-    from .lowering import local_name
-
     return local_name("addr", r, t)
 
 
@@ -270,7 +269,6 @@ def _quantize_lines(k, st, row_of) -> list:
 
 # -- compiling and launching --------------------------------------------------------------------
 _kernels: dict = {}
-_tables: dict = {}
 
 
 def compile_pass(program, variant, fused, sqrt_kind, grad_dtype):
@@ -280,15 +278,6 @@ def compile_pass(program, variant, fused, sqrt_kind, grad_dtype):
         source, names, consts, rows = generate(program, variant, fused, sqrt_kind, grad_dtype)
         parallel, serial, _ = jit_module(import_numba(), "roundpipe_blockwise_", source)
         hit = _kernels[key] = ((parallel, serial), names, consts, rows)
-    return hit
-
-
-def lookup_table(codebook: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' 65,536-entry table of ``codebook``, built once per codebook's values."""
-    key = codebook.numpy().tobytes()
-    hit = _tables.get(key)
-    if hit is None:
-        hit = _tables[key] = torch.from_numpy(codebooks.lookup_table(codebook))
     return hit
 
 

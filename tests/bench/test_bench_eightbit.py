@@ -6,9 +6,9 @@ torchao's import is made to fail in the runs (its step compiles per shape: secon
 peak-memory subprocesses are replaced by a stub except in the tests of that measurement.
 """
 
-import io
 import json
 import re
+import subprocess
 import sys
 
 import pytest
@@ -139,30 +139,40 @@ def test_bytes_per_element_and_state_bytes():
     assert eightbit.state_bytes(state) == 10 + 256 * 4  # the shared codebook once
 
 
-class _Stepping:
-    """A stand-in optimizer whose ``step()`` holds a temporary of ``nbytes`` (touched) while it
-    runs, as a step that dequantizes into a full-size buffer does."""
+# the child's measurement in a fresh interpreter, as the bench runs it: in the test process,
+# memory an earlier test freed but kept mapped would hide part of the step's temporaries
+_CHILD = """
+import io, json, sys
+import torch
+from roundpipe.optim.bench import eightbit, eightbit_memory
 
-    def __init__(self, nbytes):
-        self.nbytes = nbytes
 
+class Stepping:
+    # a stand-in optimizer whose step() holds two touched buffers of half of nbytes each, as a
+    # step that dequantizes into full-size buffers does
     def step(self):
-        if self.nbytes:
-            a = torch.ones(self.nbytes // 8)
-            b = a + 1.0  # two buffers of half of nbytes each, alive at once
+        if NBYTES:
+            a = torch.ones(NBYTES // 8)
+            b = a + 1.0
             del a, b
+
+
+eightbit.make = lambda config, name, params: Stepping()
+job = {"config": "x", "optimizer": "AdamW8bit", "shapes": [[4]], "threads": torch.get_num_threads()}
+sys.stdin = io.StringIO(json.dumps(job))
+eightbit_memory.child()
+"""
 
 
 @pytest.mark.skipif(eightbit_memory.supported() is not None, reason="no resettable high-water mark")
 @pytest.mark.parametrize("nbytes", [0, 64 * 2**20])
-def test_peak_memory_sees_a_step_s_temporaries(monkeypatch, capsys, nbytes):
-    """The child's measurement, in this process: a step holding 2 x 32 MiB shows them (at 32 MiB,
-    glibc maps every block, whatever its threshold here), a step holding nothing about 0."""
-    monkeypatch.setattr(eightbit, "make", lambda config, name, params: _Stepping(nbytes))
-    job = {"config": "x", "optimizer": "AdamW8bit", "shapes": [[4]], "threads": torch.get_num_threads()}
-    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(job)))
-    eightbit_memory.child()
-    extra = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extra_bytes"]
+def test_peak_memory_sees_a_step_s_temporaries(nbytes):
+    """The child's measurement: a step holding 2 x 32 MiB shows them (at 32 MiB, glibc maps every
+    block, whatever its threshold), a step holding nothing about 0."""
+    source = _CHILD.replace("NBYTES", str(nbytes))
+    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    extra = json.loads(out.stdout.strip().splitlines()[-1])["extra_bytes"]
     assert len(extra) == eightbit_memory.STEPS
     if nbytes:
         assert all(nbytes * 0.95 <= e <= nbytes + 8 * 2**20 for e in extra), extra

@@ -269,6 +269,7 @@ def _quantize_lines(k, st, row_of) -> list:
 
 # -- compiling and launching --------------------------------------------------------------------
 _kernels: dict = {}
+_compiled: set = set()  # the dispatchers called once (compiled or loaded)
 
 
 def compile_pass(program, variant, fused, sqrt_kind, grad_dtype):
@@ -339,8 +340,10 @@ def prepare(program, scalars, tensors, fused, sqrt_kind, sqrt_routine, nthreads,
     ).reshape(-1, 3)
     scalar_rows = _scalar_rows(names, consts, scalars)
     dispatcher = parallel if nthreads > 1 and int(numels.sum()) >= 2 * PARALLEL_MIN_NUMEL else serial
-    with keep_torch_threads():  # compile (or load) now: a launch cannot fail later
-        dispatcher(items[:0], addresses, numels, scalar_rows, sqrt_routine)
+    if dispatcher not in _compiled:  # compile (or load) now: a launch cannot fail later
+        with keep_torch_threads():
+            dispatcher(items[:0], addresses, numels, scalar_rows, sqrt_routine)
+        _compiled.add(dispatcher)
 
     def launch():
         if dispatcher is parallel:

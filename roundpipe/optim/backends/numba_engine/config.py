@@ -56,9 +56,9 @@ EMULATION_FEATURES = {
 # the CPU's root and division instructions; each ``exact-*`` kind a block at a time from the
 # CPU's estimates (``exact_root.py``), where ``probes.find_root_kind`` finds it bit for bit
 ROOT_KINDS = ("divider", "exact-avx512", "exact-avx")
-# Whether staged kernels probe for an exact kind at all: off, because on the CPUs measured so far
-# (AMD EPYC, Zen 4) the divider computes the two roundings faster than the estimates and their
-# corrections do (docs/numba-engine.md); the same bits either way
+# Whether staged kernels probe for an exact kind at all: off, because where it was measured the
+# divider computes the two roundings faster than the estimates and their corrections do
+# (docs/numba-engine.md); the same bits either way
 EXACT_ROOT = False
 ROOT_INTRINSICS = {"exact-avx512": "exact_rsqrt_avx512", "exact-avx": "exact_rsqrt_avx"}
 # what each needs of numba's target (as EMULATION_FEATURES: never compiled where missing)

@@ -299,3 +299,20 @@ def run_threads(timeout: float, targets) -> None:
     assert not any(t.is_alive() for t in threads), f"a thread did not finish in {timeout} s (hang)"
     if errors:
         raise errors[0]
+
+
+def count_calls(monkeypatch, obj, *names) -> dict:
+    """Wrap the methods ``names`` of ``obj`` (through ``monkeypatch``) to count their calls:
+    the returned dict, by name, grows as they are called."""
+    calls = dict.fromkeys(names, 0)
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in names:
+        monkeypatch.setattr(obj, name, counting(name, getattr(obj, name)))
+    return calls

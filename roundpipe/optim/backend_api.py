@@ -72,13 +72,17 @@ class Backend(ABC):
 
     # -- optional capabilities -------------------------------------------------------------
     def replay_handle(self, program: Program, cache: dict) -> Any | None:
-        """After ``prepare`` ran for ``cache``'s launch: what ``rebind`` needs to repeat that
-        launch with new scalars and gradients, or None (this backend does not replay)."""
+        """After ``prepare`` (or ``prepare_staged``) ran for ``cache``'s launch: what ``rebind``
+        needs to repeat that launch with new scalars and gradients, or None (this backend does
+        not replay)."""
         return None
 
-    def rebind(self, handle: Any, scalars: dict[str, float], grads: Sequence[torch.Tensor]) -> Launch | None:
-        """The launch of ``handle`` with this step's scalars (one dict) and gradient column,
-        everything else as it was; or None (the step plan then prepares it anew)."""
+    def rebind(
+        self, handle: Any, scalars: dict[str, float] | list[dict[str, float]], grads: Sequence[torch.Tensor]
+    ) -> Launch | None:
+        """The launch of ``handle`` with this step's scalars (one dict; for a staged pass one per
+        parameter, as ``prepare_staged`` takes them) and gradient column, everything else as it
+        was; or None (the step plan then prepares it anew)."""
         return None
 
     def prepare_staged(

@@ -279,8 +279,9 @@ class FastBackend(Backend):
         if numba_blockwise.compiles(program) and self.engine(program) == "numba":
             engine = self.numba_engine()
             nthreads = min(threads.get_num_threads(), engine.max_threads)
+            kept = None if cache is None else cache.setdefault("numba", {})  # (replay_handle's)
             launch = numba_blockwise.prepare(
-                program, scalars, tensors, engine.fused, engine.sqrt_kind, engine.sqrt_routine, nthreads
+                program, scalars, tensors, engine.fused, engine.sqrt_kind, engine.sqrt_routine, nthreads, kept
             )
             if launch is not None:
                 return launch
@@ -313,8 +314,9 @@ class FastBackend(Backend):
             )
 
     def replay_handle(self, program, cache):
-        """The numba engine's record of its launch (``numba_engine.engine.LaunchRecord``); the
-        other engines do not replay (their prepare costs little beside their launch)."""
+        """The numba engine's record of its launch (``numba_engine.engine.LaunchRecord``; for a
+        staged step's blockwise pass ``numba_engine.blockwise.BlockwiseRecord``); the other
+        engines do not replay (their prepare costs little beside their launch)."""
         return cache.get("numba", _NO_CACHE).get("replay")
 
     def rebind(self, handle, scalars, grads):

@@ -8,8 +8,12 @@ copied in and each master's partner rounded from it (``masters.py``).
 
 Each pass runs as one backend launch per program over every parameter that runs it
 (``Backend.prepare_staged``). What the validation found is kept (``_StagedPlan``) and checked
-cheaply at the next step, as ``StepPlan`` is; there is no replay: a staged step computes
-per-parameter values between its passes anyway.
+cheaply at the next step, as ``StepPlan`` is. A spec whose step is one pass and commits nothing
+(the 8-bit family) *replays* on an unchanged plan (``_Replay``): each launch is the backend's
+``rebind`` of the last one with this step's scalars and gradients, which skips the per-parameter
+contexts and the launch's preparation, most of what a step of many small parameters costs. A
+staged step with ``Between`` stages computes per-parameter values between its passes anyway and
+takes the full path.
 """
 
 from __future__ import annotations
@@ -44,6 +48,20 @@ def run_staged_step(opt, backend: Backend, factors=None) -> None:
     spec = opt.spec
     plan = opt.__dict__.get(_PLAN)
     grads = plan.check(opt, spec) if plan is not None else None
+    if grads is not None and plan.replay is not None:
+        try:
+            ready = _replayed(opt, spec, backend, plan, grads, factors)
+        except BaseException:
+            opt.__dict__[_PLAN] = None  # rebuilt (and re-validated) by the next step
+            raise
+        if ready is not None:
+            writes, launches = ready
+            _write_scalars(writes)
+            for launch in launches:
+                launch()
+            for partner, param in plan.replay.partners:
+                partner.copy_(param)
+            return
     created: list = []
     try:
         if grads is None:
@@ -52,23 +70,24 @@ def run_staged_step(opt, backend: Backend, factors=None) -> None:
             grads = plan.check(opt, spec)
             assert grads is not None, "a plan just built holds"
         opt.__dict__[_PLAN] = plan
+        plan.replay = None
         entries, memo = [], {}
-        for gp, group_grads in zip(plan.groups, grads, strict=True):
+        for g, (gp, group_grads) in enumerate(zip(plan.groups, grads, strict=True)):
             spec.check_group(gp.group)
             for k, grad in enumerate(group_grads):
-                entries.append(_entry(spec, type(opt).__name__, gp, k, grad, factors, memo))
+                entries.append(_entry(spec, type(opt).__name__, gp, (g, k), grad, factors, memo))
         caches = plan.launch_caches
         finals = _run_stages(backend, entries, caches)
         launches = [
-            backend.prepare_staged(program, *_columns(program, ctxs), _cache(caches, "last", program))
-            for program, ctxs in finals
+            backend.prepare_staged(program, *_columns(program, es), _cache(caches, "last", program))
+            for program, es in finals
         ]
     except BaseException:
         rollback(opt.state, created)
         opt.__dict__[_PLAN] = None  # rebuilt (and re-validated) by the next step
         raise
     # Nothing has been written so far; every check has passed and every read-only stage ran.
-    _write_scalars(entries)
+    _write_scalars((e.state, e.scratch) for e in entries)
     for launch in launches:
         launch()
     for e in entries:
@@ -77,6 +96,104 @@ def run_staged_step(opt, backend: Backend, factors=None) -> None:
                 e.state[entry].copy_(e.ctx[ctx_name])
         if e.partner is not None:
             e.partner.copy_(e.param)
+    if not spec.commit and all(len(e.stages) == 1 for e in entries):
+        plan.replay = _replay_of(backend, entries, finals, caches)
+
+
+class _Replay:
+    """What a step of a one-pass spec on an unchanged plan repeats: each last launch's program,
+    its parameters (``(group, position)`` in the plan, in the launch's order), how many gradient
+    factors each took, and the backend's handle (None: the backend does not replay it, and the
+    pass is prepared again from the plan's contexts); the partners to round afterwards."""
+
+    __slots__ = ("passes", "partners")
+
+    def __init__(self, passes, partners):
+        self.passes = passes  # ((program, order, factor counts, handle or None), ...)
+        self.partners = partners  # ((partner, param), ...)
+
+
+def _replay_of(backend, entries, finals, caches):
+    """The ``_Replay`` of this step's launches."""
+    passes = []
+    for program, es in finals:
+        handle = backend.replay_handle(program, _cache(caches, "last", program))
+        counts = tuple(len(e.factors) for e in es)
+        passes.append((program, tuple(e.at for e in es), counts, handle))
+    partners = tuple((e.partner, e.param) for e in entries if e.partner is not None)
+    return _Replay(tuple(passes), partners)
+
+
+def _replayed(opt, spec, backend, plan, grads, factors):
+    """The step as the last one ran, when nothing but the scalars and the gradients changed:
+    ``(writes, launches)`` ready to run (``writes`` as ``_write_scalars`` takes them), or None
+    (the full path runs). Writes nothing the full path would not overwrite (the backend's
+    scalar rows)."""
+    name = type(opt).__name__
+    memo: dict = {}
+    per_group, writes = [], []
+    for gp in plan.groups:
+        spec.check_group(gp.group)
+        scalars = _group_scalars(spec, name, gp, memo)
+        per_group.append(scalars)
+        writes += zip(gp.states, [scratch for scratch, _ in scalars], strict=True)
+    merged: dict = {}  # (id of the scalars, factors) -> the scalars with the factors
+    launches = []
+    for program, order, counts, handle in plan.replay.passes:
+        scalars = [per_group[g][k][1] for g, k in order]
+        if factors or any(counts):
+            for i, ((g, k), count) in enumerate(zip(order, counts, strict=True)):
+                found = factors.for_pairing(plan.groups[g].from_partner[k]) if factors else ()
+                if len(found) != count:
+                    return None  # another program: the full path picks it
+                if found:
+                    key = (id(scalars[i]), found)
+                    hit = merged.get(key)
+                    if hit is None:
+                        values = {f"grad_factor_{j}": f for j, f in enumerate(found)}
+                        hit = merged[key] = {**scalars[i], **values}
+                    scalars[i] = hit
+        column = [grads[g][k] for g, k in order]
+        if handle is None:
+            launch = _prepared(backend, plan, program, order, scalars, column)
+        else:
+            launch = backend.rebind(handle, scalars, column)
+            if launch is None:
+                return None
+        launches.append(launch)
+    return writes, launches
+
+
+def _prepared(backend, plan, program, order, scalars, column):
+    """A replayed pass the backend does not rebind: prepared from the plan's contexts (what the
+    full path's entries would hold), without building the entries."""
+    names = [n for n in program.tensors if n != "grad"]
+    rows: dict = {}  # id of a parameter's scalars -> the pass's scalars (a parameter's first)
+    values = [
+        rows.get(id(v)) or rows.setdefault(id(v), {n: float(v[n]) for n in program.scalars}) for v in scalars
+    ]
+    tensors = []
+    for (g, k), grad in zip(order, column, strict=True):
+        ctx = plan.groups[g].contexts[k]
+        tensors.append(
+            {**{n: ctx[n] for n in names}, "grad": grad}
+            if "grad" in program.tensors
+            else {n: ctx[n] for n in names}
+        )
+    return backend.prepare_staged(program, values, tensors, _cache(plan.launch_caches, "last", program))
+
+
+def _group_scalars(spec, name, gp, memo) -> list:
+    """``_scalars`` of each of the group's parameters, computed once per distinct 0-d state;
+    where the 0-d state is Python ints (the 8-bit family's ``step``) read without a tuple per
+    parameter."""
+    states = gp.states
+    if not spec.scalar_state or any(n not in spec.int_state for n in spec.scalar_state):
+        return [_scalars(spec, name, gp.gi, gp.group, st, memo) for st in states]
+    keys = list(zip(*[[st[n] for st in states] for n in spec.scalar_state], strict=True))
+    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))  # key -> first position
+    table = {key: _scalars(spec, name, gp.gi, gp.group, states[k], memo) for key, k in first.items()}
+    return list(map(table.__getitem__, keys))
 
 
 class _GroupPlan:
@@ -113,7 +230,16 @@ class _StagedPlan:
     """What ``_build`` validated, and the cheap per-step check that it still holds (the same
     idea as ``StepPlan``: identities and a few attribute reads; anything else rebuilds)."""
 
-    __slots__ = ("param_groups", "n_groups", "state", "n_state", "generation", "groups", "launch_caches")
+    __slots__ = (
+        "param_groups",
+        "n_groups",
+        "state",
+        "n_state",
+        "generation",
+        "groups",
+        "launch_caches",
+        "replay",
+    )
 
     def check(self, opt, spec):
         """This step's gradients per group, or None when the plan no longer holds."""
@@ -166,6 +292,7 @@ def _build(opt, spec):
     plan.generation = masters.generation()
     plan.groups = tuple(groups)
     plan.launch_caches = {}  # (stage round or "last", program) -> the backend's cache for that pass
+    plan.replay = None  # a _Replay once a step could record one
     return plan, created
 
 
@@ -221,13 +348,15 @@ def _group_plan(spec, name, state, created, gi, group, indices, params, pairs):
 
 class _Entry:
     """One parameter of a staged step: its state, the scratch copies of its 0-d state, its
-    stages and its context (``spec/staged.py``)."""
+    stages and its context (``spec/staged.py``); where it is in the plan (``at``: group,
+    position) and the gradient factors it takes."""
 
-    __slots__ = ("param", "partner", "state", "scratch", "stages", "ctx")
+    __slots__ = ("param", "partner", "state", "scratch", "stages", "ctx", "at", "factors")
 
-    def __init__(self, param, partner, state, scratch, stages, ctx):
+    def __init__(self, param, partner, state, scratch, stages, ctx, at, factors):
         self.param, self.partner, self.state = param, partner, state
         self.scratch, self.stages, self.ctx = scratch, stages, ctx
+        self.at, self.factors = at, factors
 
 
 _F32 = torch.float32
@@ -281,7 +410,8 @@ def _check_state(st, names, where):
             raise_problem(problem, where())
 
 
-def _entry(spec, name, gp, k, grad, factors, memo):
+def _entry(spec, name, gp, at, grad, factors, memo):
+    k = at[1]
     from_partner = gp.from_partner[k]
     st = gp.states[k]
     scratch, values = _scalars(spec, name, gp.gi, gp.group, st, memo)
@@ -298,7 +428,7 @@ def _entry(spec, name, gp, k, grad, factors, memo):
     ctx.update(values)
     ctx["grad"] = grad
     partner = gp.stepped_partners[k] if gp.stepped_partners is not None else None
-    return _Entry(gp.params[k], partner, st, scratch, stages, ctx)
+    return _Entry(gp.params[k], partner, st, scratch, stages, ctx, at, found)
 
 
 def _scalars(spec, name, gi, group, st, memo):
@@ -324,7 +454,7 @@ def _scalars(spec, name, gi, group, st, memo):
 
 def _run_stages(backend, entries, caches):
     """Run every stage but the last of every entry, in rounds (stage k of each, one launch
-    per program); return the last passes, grouped: ``[(program, contexts)]``."""
+    per program); return the last passes, grouped: ``[(program, entries)]``."""
     depth = max((len(e.stages) for e in entries), default=0)
     for k in range(depth - 1):
         passes: dict = {}
@@ -335,16 +465,16 @@ def _run_stages(backend, entries, caches):
             if isinstance(stage, Between):
                 stage.fn(e.ctx)
             else:
-                passes.setdefault(stage.program, []).append(e.ctx)
-        for program, ctxs in passes.items():
-            results = backend.prepare_staged(program, *_columns(program, ctxs), _cache(caches, k, program))()
-            for ctx, reduced in zip(ctxs, results, strict=True):
-                ctx.update(reduced)
+                passes.setdefault(stage.program, []).append(e)
+        for program, es in passes.items():
+            results = backend.prepare_staged(program, *_columns(program, es), _cache(caches, k, program))()
+            for e, reduced in zip(es, results, strict=True):
+                e.ctx.update(reduced)
     finals: dict = {}
     for e in entries:
         last = e.stages[-1]
         assert isinstance(last, Pass)
-        finals.setdefault(last.program, []).append(e.ctx)
+        finals.setdefault(last.program, []).append(e)
     return list(finals.items())
 
 
@@ -353,23 +483,24 @@ def _cache(caches, stage, program) -> dict:
     return caches.setdefault((stage, program), {})
 
 
-def _columns(program, ctxs):
-    """A pass's per-parameter scalars and tensors, from the contexts."""
-    scalars = [{n: float(ctx[n]) for n in program.scalars} for ctx in ctxs]
-    tensors = [{n: ctx[n] for n in program.tensors} for ctx in ctxs]
+def _columns(program, entries):
+    """A pass's per-parameter scalars and tensors, from the entries' contexts."""
+    scalars = [{n: float(e.ctx[n]) for n in program.scalars} for e in entries]
+    tensors = [{n: e.ctx[n] for n in program.tensors} for e in entries]
     return scalars, tensors
 
 
-def _write_scalars(entries):
-    """Each parameter's 0-d state from its scratch copy: one foreach copy per new value where
-    several parameters share it (their scratch is shared), else a fill."""
+def _write_scalars(writes):
+    """Each parameter's 0-d state (``writes``: ``(state, scratch copies)`` pairs) from its scratch
+    copy: one foreach copy per new value where several parameters share it (their scratch is
+    shared), else a fill."""
     by_value: dict = {}
-    for e in entries:
-        for n, scratch in e.scratch.items():
+    for state, scratches in writes:
+        for n, scratch in scratches.items():
             if scratch.dtype is int:
-                e.state[n] = scratch.value
+                state[n] = scratch.value
                 continue
-            by_value.setdefault(id(scratch), (scratch, []))[1].append(e.state[n])
+            by_value.setdefault(id(scratch), (scratch, []))[1].append(state[n])
     for scratch, tensors in by_value.values():
         if len(tensors) < 4:
             for t in tensors:

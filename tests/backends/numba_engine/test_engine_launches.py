@@ -13,7 +13,7 @@ import torch
 import roundpipe.optim
 from roundpipe.optim import backends
 from roundpipe.optim.backends import fast, numba_engine
-from tests._util import assert_bits_equal
+from tests._util import assert_bits_equal, count_calls
 
 from ._children import child_env, finish, start_child, torch_digest
 from ._helpers import LARGE, assert_bits, engine, opt_program
@@ -54,18 +54,7 @@ def test_a_step_on_an_unchanged_plan_replays_the_launch_and_sees_every_change(mo
     parameter moved by ``.data =``, another thread count and another engine are all seen, and
     every step is bit for bit torch's for-loop."""
     monkeypatch.setattr(roundpipe.optim.threads, "_num_threads", None)
-    be = backends.get("fast")
-    calls = {"prepare": 0, "rebind": 0}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    monkeypatch.setattr(be, "prepare", counted("prepare", be.prepare))
-    monkeypatch.setattr(be, "rebind", counted("rebind", be.rebind))
+    calls = count_calls(monkeypatch, backends.get("fast"), "prepare", "rebind")
     g = torch.Generator().manual_seed(5)
     n = 3 * numba_engine.PARALLEL_MIN_NUMEL  # two threads where two are set
     base = torch.randn(n, generator=g)

@@ -20,6 +20,7 @@ import functools
 import numpy as np
 import torch
 
+from ... import threads
 from ...spec import codebooks
 from ...spec.ir import QUANTIZED_KINDS, Call, Quantize, walk
 from ..torch_ops import lookup_table
@@ -312,14 +313,14 @@ def supported(program, tensors) -> bool:
 _GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def prepare(program, scalars, tensors, fused, sqrt_kind, sqrt_routine, nthreads, variant=()):
+def prepare(program, scalars, tensors, fused, sqrt_kind, sqrt_routine, nthreads, cache=None, variant=()):
     """The launch of an 8-bit pass over every parameter of ``tensors`` (``Backend.prepare_staged``);
-    None where the kernel cannot read them (``supported``)."""
+    None where the kernel cannot read them (``supported``). ``cache``: the pass's cache in the
+    plan, where the launch's record is kept for a replay (``cache["replay"]``)."""
     if not tensors:
         return list
     if not supported(program, tensors):
         return None
-    numba = import_numba()
     grad_dtype = _GRAD_DTYPES[tensors[0]["grad"].dtype]
     (parallel, serial), names, consts, rows = compile_pass(program, variant, fused, sqrt_kind, grad_dtype)
     quantized = [st for st in program.statements if isinstance(st, Quantize)]
@@ -344,20 +345,66 @@ def prepare(program, scalars, tensors, fused, sqrt_kind, sqrt_routine, nthreads,
         with keep_torch_threads():
             dispatcher(items[:0], addresses, numels, scalar_rows, sqrt_routine)
         _compiled.add(dispatcher)
+    record = BlockwiseRecord(
+        dispatcher if dispatcher is parallel else None,
+        functools.partial(dispatcher, items, addresses, numels, scalar_rows, sqrt_routine),
+        nthreads,
+        (names, consts, scalar_rows),
+        addresses[rows.index("grad")],
+        ([[ts[t] for t in program.tensors if t != "grad"] for ts in tensors], tables),
+        {id(c): (c, c._version) for c in (ts[st.codebook] for ts in tensors for st in quantized)},
+    )
+    if cache is not None:
+        cache["replay"] = record
+    return record.launch
 
-    def launch():
-        if dispatcher is parallel:
+
+class BlockwiseRecord:
+    """A blockwise launch, kept for a replay (the handle ``replay_handle`` gives): a step on an
+    unchanged plan writes its scalars into the rows and its gradients' addresses, and runs the
+    same call. What the addresses point into is held as long as the record, but the gradients:
+    a launch runs within the step that bound them."""
+
+    __slots__ = ("parallel", "call", "nthreads", "rows", "grad_addresses", "held", "codebooks", "results")
+
+    def __init__(self, parallel, call, nthreads, rows, grad_addresses, held, codebooks):
+        self.parallel, self.call, self.nthreads = parallel, call, nthreads
+        self.rows, self.grad_addresses, self.held = rows, grad_addresses, held
+        # the codebooks the lookup tables were built from, and their versions: a codebook
+        # changed in place needs its table again (the full prepare builds it)
+        self.codebooks = tuple(codebooks.values())
+        self.results = [{} for _ in held[0]]  # no reductions: nothing for the plan to read
+
+    def launch(self):
+        if self.parallel is not None:
+            numba = import_numba()
             torch_threads = torch.get_num_threads()
             try:
-                if numba.get_num_threads() != nthreads:
-                    numba.set_num_threads(nthreads)
-                dispatcher(items, addresses, numels, scalar_rows, sqrt_routine)
+                if numba.get_num_threads() != self.nthreads:
+                    numba.set_num_threads(self.nthreads)
+                self.call()
             finally:
                 if torch.get_num_threads() != torch_threads:
                     torch.set_num_threads(torch_threads)
         else:
-            dispatcher(items, addresses, numels, scalar_rows, sqrt_routine)
-        return [{} for _ in tensors]
+            self.call()
+        return self.results
 
-    launch.held = (tensors, tables)  # what the addresses point into lives as long as the launch
-    return launch
+    def rebind(self, engine, scalars, grads):
+        """The launch with this step's scalars (one dict per parameter, in the launch's order)
+        and gradients (plain, of the shapes and dtype the plan checked), or None when the thread
+        count or a codebook changed (the full prepare runs)."""
+        if min(threads.get_num_threads(), engine.max_threads) != self.nthreads or len(grads) != len(
+            self.grad_addresses
+        ):
+            return None
+        if not all([c._version == v for c, v in self.codebooks]):
+            return None
+        names, consts, scalar_rows = self.rows
+        first = scalars[0] if scalars else None
+        if all([s is first for s in scalars]):  # (one row for all: the usual case)
+            scalar_rows[:] = _scalar_rows(names, consts, [first])
+        else:
+            scalar_rows[:] = _scalar_rows(names, consts, scalars)
+        self.grad_addresses[:] = [g.data_ptr() for g in grads]
+        return self.launch

@@ -247,13 +247,13 @@ def test_reductions_spread_over_the_threads_by_size():
     run of rows (numba's parallel loop hands out equal runs), the largest parameters first to
     the least loaded thread: one large matrix does not share a thread with half the rest."""
     dims = [(1, 4096, 4096)] + [(1, 1024, 1024)] * 8 + [(1, 1, 512)] * 3
-    items = numba_staged._schedule(dims, 2)
+    items = numba_staged.thread_schedule(dims, 2)
     width = len(items) // 2
     shares = [[p for p in items[th * width : (th + 1) * width, 0] if p >= 0] for th in range(2)]
     assert sorted(shares[0] + shares[1]) == list(range(len(dims)))
     loads = [sum(int(a * b * c) for a, b, c in (dims[p] for p in share)) for share in shares]
     assert min(loads) >= 0.49 * max(loads), loads
-    assert numba_staged._schedule([], 2).shape == (0, 5)
+    assert numba_staged.thread_schedule([], 2).shape == (0, 5)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -28,7 +28,7 @@ from .codegen import _block_passes, _Kernel
 from .config import EMULATION_INTRINSICS, GENERATOR_VERSION, LOW_PRECISION, PARALLEL_MIN_NUMEL, import_numba
 from .kernels import jit_module, keep_torch_threads
 from .lowering import Code, KernelLowering, Record, local_name, sqrt_passes, uses_of
-from .staged_layout import _scalar_rows
+from .staged_layout import pack_scalar_rows
 
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
 BLOCK = codebooks.BLOCK
@@ -341,7 +341,7 @@ def prepare(program, scalars, tensors, fused, sqrt_kind, sqrt_routine, nthreads,
         ],
         dtype=np.int64,
     ).reshape(-1, 3)
-    scalar_rows = _scalar_rows(names, consts, scalars)
+    scalar_rows = pack_scalar_rows(names, consts, scalars)
     dispatcher = parallel if nthreads > 1 and int(numels.sum()) >= 2 * PARALLEL_MIN_NUMEL else serial
     if dispatcher not in _compiled:  # compile (or load) now: a launch cannot fail later
         with keep_torch_threads():
@@ -405,8 +405,8 @@ class BlockwiseRecord:
         names, consts, scalar_rows = self.rows
         first = scalars[0] if scalars else None
         if all([s is first for s in scalars]):  # (one row for all: the usual case)
-            scalar_rows[:] = _scalar_rows(names, consts, [first])
+            scalar_rows[:] = pack_scalar_rows(names, consts, [first])
         else:
-            scalar_rows[:] = _scalar_rows(names, consts, scalars)
+            scalar_rows[:] = pack_scalar_rows(names, consts, scalars)
         self.grad_addresses[:] = [g.data_ptr() for g in grads]
         return self.launch

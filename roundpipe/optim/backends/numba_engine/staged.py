@@ -18,7 +18,7 @@ from . import config
 from .config import PARALLEL_MIN_NUMEL, ROOT_INTRINSICS, import_numba
 from .kernels import jit_module, keep_torch_threads
 from .probes import find_root_kind
-from .staged_layout import _items, _scalar_rows, _schedule, column_norms_reproduced, matrix_dims
+from .staged_layout import column_norms_reproduced, matrix_dims, pack_scalar_rows, thread_schedule, work_items
 from .staged_source import clamped_quotients, floor_variant, generate
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -112,9 +112,9 @@ def _layout(program, dispatchers, members, tensors, shaped, nthreads, cache):
             share = min(len(members), share)
         dispatcher = dispatchers[0] if min(nthreads, share) > 1 else dispatchers[1]
         if program.reductions:
-            items = _schedule(dims, nthreads if dispatcher is dispatchers[0] else 1)
+            items = thread_schedule(dims, nthreads if dispatcher is dispatchers[0] else 1)
         else:
-            items = _items(dims)
+            items = work_items(dims)
         if len(cache) >= _LAYOUTS_KEPT:
             cache.clear()
         hit = cache[key] = (dispatcher, items, addresses, dims)
@@ -194,7 +194,7 @@ def prepare(program, scalars, tensors, fused, lanes, order, nthreads, fallback=N
         dispatcher, items, addresses, dims = _layout(
             program, dispatchers, members, tensors, shaped, nthreads, launch_cache["layouts"]
         )
-        scalar_rows = _scalar_rows(row_names, consts, [scalars[k] for k in members])
+        scalar_rows = pack_scalar_rows(row_names, consts, [scalars[k] for k in members])
         out_ptrs = np.zeros((len(program.reductions), len(members)), dtype=np.int64)
         for r, (name, dim) in enumerate(reduces):
             if dim is None:
@@ -279,7 +279,7 @@ class _Launch:
                 addresses[self.grad, 0] = grads[0].data_ptr()
             else:
                 addresses[self.grad] = [g.data_ptr() for g in grads]
-        rows = _scalar_rows(*self.row_layout, scalars)
+        rows = pack_scalar_rows(*self.row_layout, scalars)
         self.calls[0] = (dispatcher, items, addresses, dims, rows, out_ptrs)
         self.outs = [{} for _ in tensors]
         return True

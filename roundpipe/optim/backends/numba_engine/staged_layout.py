@@ -32,7 +32,7 @@ def column_norms_reproduced(dims) -> bool:
     return n != 1 or m == 1
 
 
-def _items(dims) -> np.ndarray:
+def work_items(dims) -> np.ndarray:
     """An elementwise kernel's items: ``(p, r0, r1, j0, j1)``, about ``ITEM_NUMEL`` elements."""
     items = []
     for p, (nb, m, n) in enumerate(dims):
@@ -48,7 +48,7 @@ def _items(dims) -> np.ndarray:
     return np.asarray(items, dtype=np.int64).reshape(-1, 5)
 
 
-def _schedule(dims, nthreads) -> np.ndarray:
+def thread_schedule(dims, nthreads) -> np.ndarray:
     """A reducing kernel's items: the parameters spread over the threads by size (the largest
     first to the least loaded: each runs on one thread, its reductions being sequential), as
     ``nthreads`` equal runs of rows, padded with -1, since numba's parallel loop gives each
@@ -69,7 +69,7 @@ def _schedule(dims, nthreads) -> np.ndarray:
 _row_plans: dict = {}  # a kernel's scalar names -> (the scalars they read, the complements' columns)
 
 
-def _scalar_rows(names, consts, scalars) -> np.ndarray:
+def pack_scalar_rows(names, consts, scalars) -> np.ndarray:
     """The kernel's float32 rows of scalars (``names``: its ``s_*`` variables, a lerp weight's
     complement ``s_<w>__m1`` as ``float32(w) - 1``), then its constants, for each parameter."""
     plan = _row_plans.get((names, consts))

@@ -62,6 +62,8 @@ class NumbaEngine:
         scalars' rows, the layout), or an exception; returns ``launch()``, which only runs the
         kernels. See ``backend_api``."""
         params = columns["param"]
+        if params and params[0].dtype is not torch.float32:
+            raise KernelCompileError(f"{params[0].dtype} parameters: not compiled yet")
         weights = lerp_weights(program)
         by_variant: dict = {}
         for values, start, stop in segments(scalars, len(params)):

@@ -32,7 +32,7 @@ from .harness import ParamSpec
 STEPS = 10
 DTYPES = (torch.bfloat16, torch.float16)
 # the backends that step 16-bit parameters (fast:numexpr refuses them: test_low_precision.py)
-BACKENDS = ("reference", "fast:torch")  # fast:numba: next
+BACKENDS = ("reference", "fast:numba", "fast:torch")
 
 
 def _per_dtype(dtype, tiny, large):

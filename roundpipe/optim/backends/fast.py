@@ -204,6 +204,12 @@ class FastBackend(Backend):
             return self.numba_engine().exact
         return engine == "torch"
 
+    def exact_for(self, dtype) -> bool:
+        engine = self.engine()
+        if engine == "numba":
+            return self.numba_engine().exact_for(dtype)
+        return engine == "torch"
+
     def executor(self, engine, program, variant, values, nthreads):
         """``execute(units)``: run the program in place on each unit (name -> same-shaped tensor)."""
         if engine == "numexpr":

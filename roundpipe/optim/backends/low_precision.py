@@ -72,19 +72,23 @@ class Rounding:
     loop's ``step``, and whether every measurement matched a formula (``exact``)."""
 
     dtype: torch.dtype
-    kinds: dict
+    kinds: tuple  # ((fn, (body, tail)), ...): hashable, a key of the compiled kernels
     step: int
     exact: bool
     what: str
 
     @property
+    def name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def kind(self, fn: str, tail: bool = False) -> str:
+        """``fn``'s formula in the body, or in the tail."""
+        return dict(self.kinds)[fn][1 if tail else 0]
+
+    @property
     def fused(self) -> frozenset:
         """The functions whose body rounds a multiply-add once."""
-        return frozenset(fn for fn, (body, _) in self.kinds.items() if body == "fma")
-
-    def tail_differs(self, fn: str) -> bool:
-        body, tail = self.kinds[fn]
-        return body != tail
+        return frozenset(fn for fn, (body, _) in self.kinds if body == "fma")
 
 
 _lock = threading.Lock()
@@ -197,7 +201,7 @@ def _measure(dtype) -> Rounding:
     what = ", ".join(f"{fn} {b}/{t}" for fn, (b, t) in kinds.items()) + f" (body/tail), step {step}"
     if notes:
         what += "; " + "; ".join(notes)
-    return Rounding(dtype, kinds, step, exact, what)
+    return Rounding(dtype, tuple(kinds.items()), step, exact, what)
 
 
 def _tail_step(t, s, outs, tail_kind):

@@ -55,9 +55,11 @@ class Record:
 class KernelLowering(Lowering):
     """The shared formulas (formulas.py) in numba's dialect: the records of one iteration."""
 
-    def __init__(self, program, variant, fused):
-        super().__init__(program, variant, fused)
+    def __init__(self, program, variant, fused, low=None):
+        super().__init__(program, variant, fused, low)
         self.uses_fma = False
+        self.uses_round = False  # a low-precision program's rounding intrinsic
+        self.uses_tail = False  # whether a formula selects on the item's ``tail`` flag
         self.rows = {name: r for r, name in enumerate(program.tensors)}
         self.views = {name: local_name("view", r, name) for r, name in enumerate(program.tensors)}
         self.current: dict[str, Code] = {}  # input tensor -> local holding its current value
@@ -108,6 +110,16 @@ class KernelLowering(Lowering):
     def fma(self, a, b, c):
         self.uses_fma = True
         return self.fmt("fma({}, {}, {})", a, b, c)
+
+    def narrow(self, x):
+        # float32 -> the dtype -> float32, integer operations on the bits (conversions.py)
+        self.uses_round = True
+        return self.fmt("round_{}({})", self.low.name, x)
+
+    def in_tail(self):
+        # the item's flag (an item lies in torch's scalar tail or not at all: layout.partition)
+        self.uses_tail = True
+        return Code("tail")
 
     def bind(self, code):
         if code.isidentifier():

@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 import roundpipe.optim
+from roundpipe.optim.backends.low_precision import rounding
 from roundpipe.optim.threads import torch_threads
 
 from . import deviations
@@ -406,8 +407,10 @@ def _one_pass(backend) -> bool:
     return getattr(roundpipe.optim.backends.get(backend), "engine", lambda: None)() == "numba"
 
 
-def exact_backend(backend: str) -> tuple[bool, str]:
-    """``(exact, why)``: whether ``backend``'s tensors are compared bit for bit with torch's.
+def exact_backend(backend: str, dtypes=(torch.float32,)) -> tuple[bool, str]:
+    """``(exact, why)``: whether ``backend``'s tensors are compared bit for bit with torch's,
+    for parameters of ``dtypes`` (bfloat16 and float16: where its probes found torch's
+    formulas for them, ``low_precision.rounding``).
 
     The backends of ``cases.BIT_EXACT`` claim torch.optim's for-loop bit for bit. ``fast:numba``
     models this torch's rounding (which of add-with-alpha, addcmul and lerp it fuses, which sqrt
@@ -426,6 +429,10 @@ def exact_backend(backend: str) -> tuple[bool, str]:
                 f"does not model this torch's rounding exactly (sqrt: {engine.sqrt_what}; "
                 f"fused: {sorted(engine.fused)})"
             )
+        for dtype in dtypes:
+            if dtype in (torch.bfloat16, torch.float16) and not engine.exact_for(dtype):
+                found = rounding(dtype)
+                return False, f"compared with assert_close: fast:numba's {found.name} probes: {found.what}"
     return True, ""
 
 
@@ -763,7 +770,7 @@ def _run_case(case: Case, backend: str):
     )
     # bit for bit where the backend claims it (and so against the reference backend, which is
     # bit for bit torch's), assert_close elsewhere (exact_backend)
-    exact, note = exact_backend(backend)
+    exact, note = exact_backend(backend, {s.dtype for s in case_params(case)})
     ctx = Context(case, backend)
     for step, snap in enumerate(ours):
         ctx.step = step

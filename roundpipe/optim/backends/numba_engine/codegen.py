@@ -65,12 +65,15 @@ class _Kernel:
         """The lines writing each of ``tensors``' final values (rounded to a low-precision
         tensor's dtype), then any partner (the final ``param``, rounded to the partner's dtype)."""
         current = self.lowering.current
-        lines = [
-            f"{self.view(t)}[i] = narrow_{self.low[t]}({current[t]})"
-            if t in self.low
-            else f"{self.view(t)}[i] = {current[t]}"
-            for t in tensors
-        ]
+        bits = getattr(self.lowering, "bits", {})  # (a low-precision value's bits, as computed)
+        lines = []
+        for t in tensors:
+            value = current[t]
+            if value in bits:
+                value = bits[value]
+            elif t in self.low:
+                value = f"narrow_{self.low[t]}({value})"
+            lines.append(f"{self.view(t)}[i] = {value}")
         if self.partner_dtype:
             lines.append(f"{self.view('partner')}[i] = narrow_{self.partner_dtype}({current['param']})")
         return lines

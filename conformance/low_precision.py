@@ -10,13 +10,16 @@ third step, subnormal gradients on odd steps, gradients whose squares overflow t
 inf in the moments), and 70,001 elements with every 7th gradient zero (its last 17 elements
 are torch's scalar tail: ``docs/low-precision.md``).
 
-The table is smaller than ``cases.py``'s, to keep CI's time: per optimizer its full grid of
-boolean options where that is at most ``FULL_GRID`` cases, else a covering subset (every value
-of every option in at least one case, each with every other option of the grid at least once
-on and off), plus the extra cases of ``cases.py`` that set a hyperparameter to something other
-than a float (tensor ``lr`` and ``betas``) or select a branch (``betas=(0, ...)``: a lerp of
-weight 1). RAdam with a tensor ``beta2`` is left out: a declared deviation
-(``deviations.RADAM_TENSOR_BETA2``) of every backend, float32 as here.
+The table is smaller than ``cases.py``'s, to keep CI's time (most of it the numba engine's
+compiles: two dtypes a program): per optimizer its cases with float and boolean values, all of
+them where they are at most ``FULL_GRID``, else a pairwise covering subset (every value of
+every option meets every value of every other at least once, torch's defaults filled in:
+``betas=(0, ...)``, a lerp of weight 1, included), plus its cases with tensor hyperparameters
+(``lr``, ``betas``). RAdam with a tensor ``beta2`` is left out: a declared deviation
+(``deviations.RADAM_TENSOR_BETA2``) of every backend, float32 as here. fast:torch runs a
+smaller part (``TORCH_ENGINE_CASES``: every option value at least once, and one tensor case):
+it runs torch's own ops, and what it can get wrong (its slots' dtype, its chunks against
+torch's tails) does not depend on which options meet.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .harness import ParamSpec
 
 STEPS = 10
 DTYPES = (torch.bfloat16, torch.float16)
-# the backends that step 16-bit parameters (fast:numexpr refuses them: test_low_precision.py)
+# the backends that step 16-bit parameters (fast:numexpr refuses them: tests/low_precision)
 BACKENDS = ("reference", "fast:numba", "fast:torch")
 
 
@@ -90,27 +93,29 @@ def _has_tensor(v) -> bool:
     return isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v)
 
 
-def _covering(name, cases):
+def _covering(name, cases, pairwise=True):
     """A subset of ``cases`` in which every value of every option the set varies meets every
-    value of every other (pairwise, torch's defaults filled in), chosen greedily."""
+    value of every other (``pairwise``; else appears at least once), torch's defaults filled
+    in, chosen greedily."""
     defaults = deviations.torch_defaults(name)
     varied = sorted({k for c in cases for k in c.kwargs})
-    pairs_of = []
+    wanted_of = []
     for c in cases:
         full = {**defaults, **c.kwargs}
         items = [(k, repr(full[k])) for k in varied]
-        pairs_of.append({(a, b) for a in items for b in items})
-    wanted = set().union(*pairs_of) if pairs_of else set()
+        wanted_of.append({(a, b) for a in items for b in items} if pairwise else set(items))
+    wanted = set().union(*wanted_of) if wanted_of else set()
     chosen, covered = [], set()
     while covered != wanted:
-        best = max(range(len(cases)), key=lambda i: len(pairs_of[i] - covered))
+        best = max(range(len(cases)), key=lambda i: len(wanted_of[i] - covered))
         chosen.append(best)
-        covered |= pairs_of[best]
+        covered |= wanted_of[best]
     return [cases[i] for i in sorted(chosen)]
 
 
 def _table():
-    out = []
+    """``(cases, torch_engine_cases)``: the table, and the part of it fast:torch runs."""
+    out, torch_engine = [], []
     for name, cases in CASES_BY_OPTIMIZER.items():
         plain = [c for c in cases if _plain(c.kwargs)]
         tensors = [c for c in cases if not _plain(c.kwargs)]
@@ -118,7 +123,9 @@ def _table():
             tensors = [c for c in tensors if not _has_tensor(c.kwargs.get("betas", ()))]
         picked = plain if len(plain) <= FULL_GRID else _covering(name, plain)
         out += [LowPrecisionCase(c.optimizer, c.kwargs, c.expect) for c in picked + tensors]
-    return out
+        once = _covering(name, picked, pairwise=False) + tensors[-1:]
+        torch_engine += [LowPrecisionCase(c.optimizer, c.kwargs, c.expect) for c in once]
+    return out, torch_engine
 
 
-CASES = _table()
+CASES, TORCH_ENGINE_CASES = _table()

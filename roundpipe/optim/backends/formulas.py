@@ -29,8 +29,9 @@ one torch op (``number / tensor`` two: the reciprocal is rounded too), save ``ne
 ``sign`` and ``maximum``, whose result is one of their operands. The scalars of ``+``, ``-``,
 a comparison and ``add``'s alpha are rounded to the dtype first (torch converts them to the
 tensor's dtype), the others stay float32; the root is the correctly rounded one; and where
-torch's scalar tail computes ``add`` or ``lerp`` otherwise than its vector body (``Rounding``),
-the formula selects on ``in_tail()``, true in those elements.
+torch's scalar tail computes an op otherwise than its vector body (``add`` with an alpha,
+``maximum`` of opposite zeros, ``lerp``'s second branch's zeros: ``Rounding``), the formula
+selects on ``in_tail()``, true in those elements.
 """
 
 from __future__ import annotations

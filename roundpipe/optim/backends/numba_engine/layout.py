@@ -67,7 +67,7 @@ def _with_tails(sizes, bounds, items, torch_threads, step):
 
 
 def pack_layout(bounds, items, rows) -> np.ndarray:
-    """A launch's ``layout``: ``[items offset, rows offset, *bounds, *items (3 per item),
+    """A launch's ``layout``: ``[items offset, rows offset, *bounds, *items (3 or 4 per item),
     *rows]`` in one int64 array (one argument: each array argument costs its own unboxing).
     ``bounds`` and ``items`` as ``partition`` returns them; ``rows[j]``: parameter ``j``'s row of
     ``scalar_rows``."""

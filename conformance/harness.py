@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 import roundpipe.optim
+from roundpipe.optim.backends.low_precision import rounding
 from roundpipe.optim.threads import torch_threads
 
 from . import deviations
@@ -103,7 +104,8 @@ class ParamSpec:
     shape: tuple
     dtype: torch.dtype = torch.float32
     scale: float = 1.0  # gradient scale on every step
-    tiny_on_odd_steps: bool = False  # gradient scaled by 1e-20 on odd steps
+    tiny_on_odd_steps: bool = False  # gradient scaled by ``tiny`` on odd steps
+    tiny: float = 1e-20
     none_every: int = 0  # grad is None when step % none_every == 0
     zero_every: int = 0  # every zero_every-th gradient element is exactly 0
 
@@ -124,23 +126,40 @@ PARAMS = (
 )
 
 
-def make_params():
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _randn(shape, dtype, generator):
+    """Normal values of ``dtype``: a bfloat16 or float16 tensor is float32's rounded to it."""
+    if dtype in _LOW_PRECISION:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randn(shape, dtype=dtype, generator=generator)
+
+
+def case_params(case) -> tuple:
+    """The parameter set ``case`` steps: its own (``params``, the low-precision cases'), else
+    ``PARAMS``."""
+    return getattr(case, "params", PARAMS)
+
+
+def make_params(specs=PARAMS):
     """Fresh leaf tensors with the set's initial values (identical on every call)."""
     g = torch.Generator().manual_seed(1234)
-    return [torch.randn(s.shape, dtype=s.dtype, generator=g).requires_grad_() for s in PARAMS]
+    return [_randn(s.shape, s.dtype, g).requires_grad_() for s in specs]
 
 
 _grad_cache: dict = {}
 _grad_lock = threading.Lock()
 
 
-def gradients(step: int):
-    """The gradients of step ``step``: one tensor (or None) per parameter; cached, never mutated."""
+def gradients(step: int, specs=PARAMS):
+    """The gradients of step ``step``: one tensor (or None) per parameter of ``specs``; cached,
+    never mutated."""
     with _grad_lock:
-        grads = _grad_cache.get(step)
+        grads = _grad_cache.get((specs, step))
         if grads is None:
-            grads = [_gradient(i, s, step) for i, s in enumerate(PARAMS)]
-            _grad_cache[step] = grads
+            grads = [_gradient(i, s, step) for i, s in enumerate(specs)]
+            _grad_cache[(specs, step)] = grads
         return grads
 
 
@@ -148,13 +167,14 @@ def _gradient(index: int, spec: ParamSpec, step: int):
     if spec.none_every and step % spec.none_every == 0:
         return None
     g = torch.Generator().manual_seed(10_000 * (step + 1) + index)
-    grad = torch.randn(spec.shape, dtype=spec.dtype, generator=g)
-    scale = spec.scale * (1e-20 if spec.tiny_on_odd_steps and step % 2 else 1.0)
+    low = spec.dtype in _LOW_PRECISION  # made in float32, rounded to it once scaled
+    grad = torch.randn(spec.shape, dtype=torch.float32 if low else spec.dtype, generator=g)
+    scale = spec.scale * (spec.tiny if spec.tiny_on_odd_steps and step % 2 else 1.0)
     if scale != 1.0:
         grad = grad * scale
     if spec.zero_every:
         grad.view(-1)[:: spec.zero_every] = 0
-    return grad
+    return grad.to(spec.dtype) if low else grad
 
 
 def set_grads(params, grads):
@@ -272,8 +292,8 @@ class Context:
         )
 
 
-def param_label(i: int) -> str:
-    s = PARAMS[i]
+def param_label(i: int, specs=PARAMS) -> str:
+    s = specs[i]
     return f"param[{i}] ({s.desc}; shape {s.shape}, {str(s.dtype).removeprefix('torch.')})"
 
 
@@ -335,7 +355,10 @@ def compare_structure(ours: Snapshot, theirs: Snapshot, ctx: Context):
     for pid, entry in theirs.state.items():
         if set(ours.state[pid]) != set(entry):
             raise AssertionError(
-                ctx(f"{param_label(pid)}: state keys {sorted(ours.state[pid])}, torch's {sorted(entry)}")
+                ctx(
+                    f"{param_label(pid, case_params(ctx.case))}: state keys {sorted(ours.state[pid])}, "
+                    f"torch's {sorted(entry)}"
+                )
             )
     if len(ours.param_groups) != len(theirs.param_groups):
         raise AssertionError(
@@ -384,8 +407,10 @@ def _one_pass(backend) -> bool:
     return getattr(roundpipe.optim.backends.get(backend), "engine", lambda: None)() == "numba"
 
 
-def exact_backend(backend: str) -> tuple[bool, str]:
-    """``(exact, why)``: whether ``backend``'s tensors are compared bit for bit with torch's.
+def exact_backend(backend: str, dtypes=(torch.float32,)) -> tuple[bool, str]:
+    """``(exact, why)``: whether ``backend``'s tensors are compared bit for bit with torch's,
+    for parameters of ``dtypes`` (bfloat16 and float16: where its probes found torch's
+    formulas for them, ``low_precision.rounding``).
 
     The backends of ``cases.BIT_EXACT`` claim torch.optim's for-loop bit for bit. ``fast:numba``
     models this torch's rounding (which of add-with-alpha, addcmul and lerp it fuses, which sqrt
@@ -404,6 +429,10 @@ def exact_backend(backend: str) -> tuple[bool, str]:
                 f"does not model this torch's rounding exactly (sqrt: {engine.sqrt_what}; "
                 f"fused: {sorted(engine.fused)})"
             )
+        for dtype in dtypes:
+            if dtype in (torch.bfloat16, torch.float16) and not engine.exact_for(dtype):
+                found = rounding(dtype)
+                return False, f"compared with assert_close: fast:numba's {found.name} probes: {found.what}"
     return True, ""
 
 
@@ -479,7 +508,7 @@ def compare_values(
     suffix = f" [{note}]" if note else ""
     pairs = []  # (what, a, b)
     for i, (pa, pb) in enumerate(zip(ours.params, theirs.params, strict=True)):
-        label = param_label(i)
+        label = param_label(i, case_params(ctx.case))
         pairs.append((f"{label} value vs {vs}{suffix}", pa, pb))
         sa, sb = ours.state.get(i, {}), theirs.state.get(i, {})
         if set(sa) != set(sb):
@@ -649,11 +678,12 @@ def harness_threads():
 
 
 def steps(case: Case, run: str, keep: bool, seen: set | None = None):
-    """Step ``case`` on ``run`` (``TORCH`` or a backend name) from a fresh copy of ``PARAMS``;
+    """Step ``case`` on ``run`` (``TORCH`` or a backend name) from a fresh copy of its parameters;
     yield a ``Snapshot`` after each step (``keep``: cloned). ``seen`` collects the ``expect``-able
     branches reached (torch's run only)."""
     ctx = Context(case, run)
-    params = make_params()
+    specs = case_params(case)
+    params = make_params(specs)
     if run == TORCH:
         opt = getattr(torch.optim, case.optimizer)(params, **case.make_kwargs())
     else:
@@ -661,7 +691,7 @@ def steps(case: Case, run: str, keep: bool, seen: set | None = None):
         assert opt.backend == run, ctx(f"optimizer.backend is {opt.backend!r}")
     for step in range(case.steps):
         ctx.step = step
-        grads = gradients(step)
+        grads = gradients(step, specs)
         if seen is not None:
             with harness_threads():
                 seen |= branches(opt, step_done=False)
@@ -678,7 +708,7 @@ def steps(case: Case, run: str, keep: bool, seen: set | None = None):
         with harness_threads():
             if seen is not None:
                 seen |= branches(opt, step_done=True)
-            check_grads_untouched(params, grads, ctx, param_label)
+            check_grads_untouched(params, grads, ctx, lambda i: param_label(i, specs))
             snap = snapshot(params, opt, loss, keep)
         yield snap
 
@@ -740,7 +770,7 @@ def _run_case(case: Case, backend: str):
     )
     # bit for bit where the backend claims it (and so against the reference backend, which is
     # bit for bit torch's), assert_close elsewhere (exact_backend)
-    exact, note = exact_backend(backend)
+    exact, note = exact_backend(backend, {s.dtype for s in case_params(case)})
     ctx = Context(case, backend)
     for step, snap in enumerate(ours):
         ctx.step = step

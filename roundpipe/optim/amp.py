@@ -39,6 +39,7 @@ from operator import attrgetter, is_
 
 import numpy as np
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from . import backends, masters
 
@@ -48,6 +49,7 @@ _CHECKED = "_roundpipe_partners_checked"  # this iteration's inf check saw the p
 _SUMS = "_roundpipe_grad_sums"  # the inf check's sums of squares, for a clip before the step
 _PARTNERS = "_roundpipe_partners"  # each group's partners (``_partners``)
 _GRAD = attrgetter("grad")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 _VERSION = attrgetter("_version")
 
 
@@ -334,6 +336,8 @@ def _total(opt, grads, paired, norm_type, factors):
     backend has no such pass (or for other orders than 1, 2, inf)."""
     if norm_type not in _ORDERS:
         return None
+    if any(g.dtype in _LOW_PRECISION and not p for g, p in zip(grads, paired, strict=True)):
+        return None  # a bfloat16/float16 parameter's own gradients: torch's norms, in their dtype
     parts = []
     for side in (False, True):
         these = [g for g, p in zip(grads, paired, strict=True) if p is side]
@@ -372,15 +376,22 @@ def _cached_sums(opt, grads, norm_type):
 
 
 def _torch_total(grads, paired, norm_type, factors):
-    """The total norm as torch computes it: per tensor ``torch._foreach_norm`` (``_norms``), in
-    the parameters' order, then the norm of the norms."""
+    """The total norm as torch's ``get_total_norm`` computes it from the gradients the step
+    reads (a partner's widened): per tensor ``torch._foreach_norm`` (``_norms``), in the norm's
+    dtype (a bfloat16 or float16 parameter's own gradient: its own), the norms in torch's order
+    (the parameters', or where their dtypes differ torch's groups by device and dtype), then
+    the norm of the norms."""
     norms = [None] * len(grads)
     for side in (False, True):
         at = [i for i, p in enumerate(paired) if p is side]
         if at:
-            found = _norms([grads[i] for i in at], norm_type, factors.for_pairing(side))
+            found = _norms([grads[i] for i in at], norm_type, factors.for_pairing(side), widen=side)
             for i, n in zip(at, found, strict=True):
                 norms[i] = n
+    if len({n.dtype for n in norms}) > 1:  # torch's order: its groups by device and dtype
+        stand_ins = [torch.empty(0, device=g.device) if p else g for g, p in zip(grads, paired, strict=True)]
+        groups = _group_tensors_by_device_and_dtype([stand_ins], with_indices=True)
+        norms = [norms[i] for _, indices in groups.values() for i in indices]
     return torch.linalg.vector_norm(torch.stack([_local(n) for n in norms]), norm_type)
 
 
@@ -392,11 +403,16 @@ _ORDERS = (1.0, 2.0, math.inf)  # the norms the one-pass sums give
 _SCALABLE = (1.0, 2.0, float("inf"))
 
 
-def _norms(grads, norm_type, factors=()):
-    """Each gradient's norm as ``torch.linalg.vector_norm`` of the float32 gradient the step
-    reads (widened, times ``factors``) computes it, bit for bit. Where that allows, a read of
-    the gradients as they are (torch widens on load) and the factors applied to the norms;
-    otherwise the widened, scaled gradient is made one tensor at a time."""
+def _norms(grads, norm_type, factors=(), widen=True):
+    """Each gradient's norm as ``torch.linalg.vector_norm`` of the gradient the step reads
+    (``widen``: a partner's, in float32; else in its own dtype; times ``factors``) computes it,
+    bit for bit. Where that allows, a read of the gradients as they are (torch widens on load)
+    and the factors applied to the norms; otherwise the scaled gradient is made one tensor at a
+    time (a low-precision one rounded to its dtype by each factor, as torch's in-place ``mul_``)."""
+    if not widen and any(g.dtype in _LOW_PRECISION for g in grads):
+        if factors:
+            return [torch.linalg.vector_norm(_as_stepped(g, factors, widen), norm_type) for g in grads]
+        return list(torch._foreach_norm(grads, norm_type))
     if norm_type in _SCALABLE and all(math.frexp(f)[0] == 0.5 for f in factors):
         norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
         for f in factors:
@@ -405,9 +421,9 @@ def _norms(grads, norm_type, factors=()):
     return [torch.linalg.vector_norm(_as_stepped(g, factors), norm_type) for g in grads]
 
 
-def _as_stepped(g, factors):
-    """The float32 gradient the step would read: widened, times the pending factors."""
-    if g.dtype is not torch.float32:
+def _as_stepped(g, factors, widen=True):
+    """The gradient the step would read: widened (a partner's), times the pending factors."""
+    if widen and g.dtype is not torch.float32:
         g = g.float()
     for f in factors:
         g = g * torch.tensor(f, dtype=torch.float32)

@@ -53,6 +53,10 @@ class Backend(ABC):
         """Whether this backend's results are bit for bit torch.optim's for-loop."""
         return False
 
+    def exact_for(self, dtype) -> bool:
+        """``exact`` for parameters of ``dtype`` (float32, bfloat16, float16)."""
+        return self.exact
+
     def check_settings(self) -> None:  # noqa: B027 (optional: a backend without settings)
         """Raise now, before a step modifies anything, if the settings this backend reads (its
         environment variables) are bad. Called when a plan is built; ``prepare`` and

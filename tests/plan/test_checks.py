@@ -91,8 +91,12 @@ def _corrupt_state(opt, p, make):
 CASES = {
     # parameter dtype (with a grad of the same dtype, so the parameter itself is the problem)
     "float64": lambda opt, p: (_set_data(p, p.data.double()), setattr(p.grad, "data", p.grad.data.double())),
-    "float16": lambda opt, p: (_set_data(p, p.data.half()), setattr(p.grad, "data", p.grad.data.half())),
-    "bfloat16": lambda opt, p: (
+    # (a bfloat16 or float16 parameter is stepped as it is; beside its float32 state it is not)
+    "float16 beside float32 state": lambda opt, p: (
+        _set_data(p, p.data.half()),
+        setattr(p.grad, "data", p.grad.data.half()),
+    ),
+    "bfloat16 beside float32 state": lambda opt, p: (
         _set_data(p, p.data.bfloat16()),
         setattr(p.grad, "data", p.grad.data.bfloat16()),
     ),

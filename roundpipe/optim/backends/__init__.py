@@ -120,7 +120,8 @@ def composed(prepare, program, scalars, columns, cache):
 
     partners = columns.get("partner")
     grads = columns.get("grad")
-    low = bool(grads) and grads[0].dtype is not torch.float32
+    # (a bfloat16 parameter's own gradient is bfloat16 too: no pairing, nothing to widen)
+    low = bool(grads) and grads[0].dtype is not columns.get("param", grads)[0].dtype
     if partners is None and not low:
         return prepare(program, scalars, columns, cache)
     cols = {k: v for k, v in columns.items() if k != "partner"}

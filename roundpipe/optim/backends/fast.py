@@ -45,6 +45,7 @@ from ..spec.ir import Call, walk
 from ..tensors import contiguous_run
 from . import CompileCache, composed, numba_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
+from .low_precision import LOW_PRECISION
 from .numba_engine import blockwise as numba_blockwise
 from .numba_engine import staged as numba_staged
 from .numba_engine import staged_probes
@@ -203,6 +204,12 @@ class FastBackend(Backend):
             return self.numba_engine().exact
         return engine == "torch"
 
+    def exact_for(self, dtype) -> bool:
+        engine = self.engine()
+        if engine == "numba":
+            return self.numba_engine().exact_for(dtype)
+        return engine == "torch"
+
     def executor(self, engine, program, variant, values, nthreads):
         """``execute(units)``: run the program in place on each unit (name -> same-shaped tensor)."""
         if engine == "numexpr":
@@ -325,6 +332,12 @@ class FastBackend(Backend):
         return handle.rebind(self._numba, scalars, grads)
 
     def _prepare_batched(self, engine, program, scalars, columns, cache):
+        if engine == "numexpr" and columns["param"] and columns["param"][0].dtype in LOW_PRECISION:
+            raise TypeError(
+                f"roundpipe.optim backend='fast:numexpr' does not step {columns['param'][0].dtype} "
+                "parameters (numexpr computes in float32 or float64 only, and cannot round each op "
+                "to their dtype as torch does); use backend='fast' (numba) or 'fast:torch'"
+            )
         nthreads = threads.get_num_threads()
         weights = lerp_weights(program)
         n = len(columns["param"])
@@ -367,8 +380,11 @@ class FastBackend(Backend):
         batching = cache.get("batching")  # which parameters are batched as small
         if batching is None or batching[0] is not params:
             numels = [p.numel() for p in params]
-            small = [i for i, n in enumerate(numels) if 0 < n < SMALL_NUMEL]
-            large = [i for i, n in enumerate(numels) if n >= SMALL_NUMEL]
+            # bfloat16 and float16 tensors are never gathered: torch's last elements of each
+            # tensor round otherwise (its scalar tail, low_precision.py)
+            below = SMALL_NUMEL if not params or params[0].dtype is torch.float32 else 0
+            small = [i for i, n in enumerate(numels) if 0 < n < below]
+            large = [i for i, n in enumerate(numels) if n >= below]
             if len(small) == 1:
                 large, small = sorted(large + small), []
             batching = cache["batching"] = (params, small, large, numels)

@@ -22,7 +22,11 @@ from .torch_ops import BINARY, FUNCTIONS, norm, quantize_
 logger = logging.getLogger("roundpipe.optim")
 
 
-def evaluate(expr, env, scalars):
+def evaluate(expr, env, scalars, dtype=torch.float32):
+    """``expr``'s value: a tensor, or a Python float for a scalar. ``dtype``: the parameter's,
+    of a ``where`` between two scalars (torch's for-loop writes them into a tensor of the
+    parameter's dtype, Rprop's ``sign[...] = etaplus``; ``torch.where`` of two Python floats
+    would give the default dtype)."""
     if isinstance(expr, Tensor):
         return env[expr.name]
     if isinstance(expr, Scalar):
@@ -30,19 +34,24 @@ def evaluate(expr, env, scalars):
     if isinstance(expr, Const):
         return expr.value
     if isinstance(expr, Bin):
-        return BINARY[expr.op](evaluate(expr.a, env, scalars), evaluate(expr.b, env, scalars))
+        return BINARY[expr.op](evaluate(expr.a, env, scalars, dtype), evaluate(expr.b, env, scalars, dtype))
     if isinstance(expr, Call):
-        return FUNCTIONS[expr.fn](*[evaluate(a, env, scalars) for a in expr.args])
+        args = [evaluate(a, env, scalars, dtype) for a in expr.args]
+        if expr.fn == "where" and not any(isinstance(a, torch.Tensor) for a in args[1:]):
+            args[1] = torch.tensor(args[1], dtype=dtype)
+        return FUNCTIONS[expr.fn](*args)
     raise TypeError(expr)
 
 
 def run_program(program, scalars, tensors):
-    """Run ``program`` once on ``tensors`` (name -> real float32 tensor; broadcast inputs in
-    their own shapes): its reductions, by name."""
+    """Run ``program`` once on ``tensors`` (name -> real float32, bfloat16 or float16 tensor, of
+    one dtype; broadcast inputs in their own shapes): its reductions, by name."""
     env = dict(tensors)
     reduced = {}
+    param = env.get("param")
+    dtype = param.dtype if param is not None else torch.float32
     for st in program.statements:
-        result = evaluate(st.expr, env, scalars)
+        result = evaluate(st.expr, env, scalars, dtype)
         if isinstance(st, Reduce):
             reduced[st.name] = norm(result, st.dim)
         elif isinstance(st, Let):

@@ -18,6 +18,7 @@ import torch
 
 from .. import threads
 from ..spec.ir import Assign, Bin, Const, Let, Scalar, Tensor
+from .low_precision import LOW_PRECISION, torch_chunks
 from .torch_ops import BINARY, COMPARISONS, FUNCTIONS
 
 # Elements per chunk: as many as keep a chunk's working set (each tensor the program touches,
@@ -56,19 +57,24 @@ class TorchProgram:
     chunk: int  # elements per chunk (``chunk_size``)
     _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
-    def _slots(self, size: int):
-        """This thread's scratch slots of ``size`` elements (kept for the next call)."""
-        slots = getattr(self._local, "slots", None)
+    def _slots(self, size: int, dtype=torch.float32):
+        """This thread's scratch slots of ``size`` elements, the float ones of ``dtype`` (the
+        parameter's: each op rounds to it, as the for-loop's temporaries do); kept for the next
+        call."""
+        cache = getattr(self._local, "slots", None)
+        if cache is None:
+            cache = self._local.slots = {}
+        slots = cache.get(dtype)
         if slots is None or slots[0] < size:
-            f = [torch.empty(size) for _ in range(self.n_float)]
+            f = [torch.empty(size, dtype=dtype) for _ in range(self.n_float)]
             b = [torch.empty(size, dtype=torch.bool) for _ in range(self.n_bool)]
-            slots = self._local.slots = (size, f, b)
+            slots = cache[dtype] = (size, f, b)
         return slots
 
     def run_range(self, flat: dict, start: int, stop: int, scalars: dict):
         """Run on elements ``[start, stop)`` of ``flat`` (name -> 1-D tensor) in place."""
         m = stop - start
-        size, fslots, bslots = self._slots(m)
+        size, fslots, bslots = self._slots(m, flat["param"].dtype)
         env_t = {name: t[start:stop] for name, t in flat.items()}
         env_r = fslots if m == size else [s[:m] for s in fslots]
         env_b = bslots if m == size else [s[:m] for s in bslots]
@@ -81,16 +87,21 @@ class TorchProgram:
         self.run_parallel([tensors], scalars, 1, chunk)
 
     def run_parallel(self, units, scalars: dict, nthreads: int, chunk: int | None = None):
-        """Run in place on every unit (name -> same-shaped real float32 tensors) in chunks of
-        ``chunk`` (default ``self.chunk``) elements, on ``nthreads`` threads taking chunks as
-        they go, with torch's intra-op pool held at one thread (so each op is one plain loop, no
-        parallel region)."""
+        """Run in place on every unit (name -> same-shaped real float32, bfloat16 or float16
+        tensors) in chunks of ``chunk`` (default ``self.chunk``) elements, on ``nthreads``
+        threads taking chunks as they go, with torch's intra-op pool held at one thread (so each
+        op is one plain loop, no parallel region). A bfloat16 or float16 unit is cut where the
+        for-loop's ops cut it on torch's threads (``low_precision.torch_chunks``), whose tails
+        round otherwise, and its chunks (multiples of any vector loop's step) from there."""
         chunk = chunk or self.chunk
+        torch_threads = torch.get_num_threads()
         work = []
         for unit in units:
             flat = {name: t.detach().view(-1) for name, t in unit.items()}
             n = flat["param"].numel()
-            work.extend((flat, lo, min(lo + chunk, n)) for lo in range(0, n, chunk))
+            spans = torch_chunks(n, torch_threads) if flat["param"].dtype in LOW_PRECISION else [(0, n)]
+            for begin, end in spans:
+                work.extend((flat, lo, min(lo + chunk, end)) for lo in range(begin, end, chunk))
 
         def one(item):
             self.run_range(item[0], item[1], item[2], scalars)

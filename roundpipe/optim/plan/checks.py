@@ -12,16 +12,20 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..tensors import PLAIN_TYPES, dtensor_types, is_dtensor, local
 
 SUPPORTED_DTYPES = (torch.float32, torch.complex64)
+# parameters the elementwise optimizers also step as they are, rounding each op to their dtype
+# as torch does (docs/low-precision.md); the staged ones refuse them (``tensor_problem``)
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 _STRIDED = torch.strided
 _PLAIN = PLAIN_TYPES
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 
-def tensor_problem(t, what: str, like=None):
+def tensor_problem(t, what: str, like=None, low_precision=False):
     """``(exception class, message)`` if ``t`` breaks the contract, else None.
 
     ``like``: the parameter whose dtype and shape ``t`` (a gradient or state tensor) must have.
+    ``low_precision``: a parameter (``like`` None) may also be bfloat16 or float16.
     """
     if not isinstance(t, torch.Tensor):
         return KeyError, f"{what} is missing or not a tensor ({type(t).__name__})"
@@ -44,7 +48,7 @@ def tensor_problem(t, what: str, like=None):
         return ValueError, f"{what} is on device {t.device}; only CPU tensors are supported"
     if t.layout != _STRIDED:
         return RuntimeError, f"{what} has layout {t.layout}; only dense tensors are supported (no sparse)"
-    problem = _dtype_problem(t, what) if like is None else _unlike_problem(t, what, like)
+    problem = _dtype_problem(t, what, low_precision) if like is None else _unlike_problem(t, what, like)
     if problem is not None:
         return problem
     if not t.is_contiguous():
@@ -68,12 +72,19 @@ def _dtensor_mismatch(t, what, like):
     return None
 
 
-def _dtype_problem(t, what):
-    if t.dtype not in SUPPORTED_DTYPES:
+def _dtype_problem(t, what, low_precision=False):
+    if t.dtype in SUPPORTED_DTYPES or (low_precision and t.dtype in LOW_PRECISION_DTYPES):
+        return None
+    if t.dtype in LOW_PRECISION_DTYPES:
         return TypeError, (
-            f"{what}: dtype {t.dtype} is not supported; use torch.float32 (or torch.complex64) master weights"
+            f"{what}: dtype {t.dtype} is not supported by this optimizer (roundpipe.optim steps "
+            "bfloat16 and float16 parameters with its elementwise optimizers only); give it float32 "
+            "masters of them: roundpipe.optim.fp32_masters(model)"
         )
-    return None
+    supported = "torch.float32, torch.bfloat16, torch.float16" if low_precision else "torch.float32"
+    return TypeError, (
+        f"{what}: dtype {t.dtype} is not supported; the parameters must be {supported} (or torch.complex64)"
+    )
 
 
 def _unlike_problem(t, what, like):

@@ -26,6 +26,7 @@ from .step_plan import build
 # 0-d state entries whose scalars are computed on Scratch values rather than tensor clones
 _SCRATCH_DTYPES = (torch.float32, torch.float64)
 _PLAN = "_roundpipe_plan"  # the optimizer's StepPlan, in its __dict__
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class Replay:
@@ -114,6 +115,9 @@ def _unit_scalars(opt, gp, unit):
         computed = opt.spec.scalars(gp.group, scratch)
         # bools are flags (they select the program), the rest float scalars
         values = {k: v if type(v) is float else float(v) for k, v in computed.items() if type(v) is not bool}
+        if unit.dtype in _LOW_PRECISION and opt.spec.low_precision_scalars is not None:
+            zero_dim = unit.flags.get("zero_dim", False)
+            values = opt.spec.low_precision_scalars(gp.group, values, unit.dtype, zero_dim)
     except (ValueError, TypeError, RuntimeError) as e:
         raise type(e)(
             f"roundpipe.optim.{type(opt).__name__}: param_groups[{gp.gi}]: "
@@ -157,8 +161,10 @@ def _schedule(opt, plan, grads, factors):
                 program = spec.program({**gp.options, **flags})
                 plan.programs[unit] = (flags, program)
             grad_col = gp.grad_columns(group_grads, unit)
-            by_program.setdefault((program, unit.pairing), []).append((gp, unit, values, grad_col))
-    launches = [_launch(plan, program, pairing, parts) for (program, pairing), parts in by_program.items()]
+            # (a bfloat16 unit's program equals a float32 one's, but its launch rounds otherwise)
+            key = (program, unit.pairing, unit.dtype)
+            by_program.setdefault(key, []).append((gp, unit, values, grad_col))
+    launches = [_launch(plan, program, pairing, parts) for (program, pairing, _), parts in by_program.items()]
     return writeback, launches
 
 

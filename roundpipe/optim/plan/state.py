@@ -24,6 +24,10 @@ def create_state(spec, group, params, state, created):
         flags = spec.init_state(group, p, st) or {}
         if p.is_complex():  # torch rounds some ops differently on complex tensors
             flags = {**flags, "complex": True}
+        elif p.dim() == 0 and p.dtype in (torch.bfloat16, torch.float16):
+            # a 0-d tensor hyperparameter promotes a 0-d parameter's op to float32 where it
+            # is rounded to a 1-d one's dtype (spec.low_precision_scalars): a unit of its own
+            flags = {**flags, "zero_dim": True}
         init_flags.append(flags)
         if len(st) != n_before:
             if had_none:

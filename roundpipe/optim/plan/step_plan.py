@@ -94,7 +94,7 @@ def build(opt, spec, backend=None):
     """
     name = type(opt).__name__
     state = opt.state
-    work = stepped_work(opt)
+    work = stepped_work(opt, low_precision=True)
     created = []  # (param, state dict, number of entries it had, whether it was added to state)
     below = backend.flat_state_below if backend is not None else 0
     try:
@@ -120,13 +120,15 @@ def build(opt, spec, backend=None):
     return plan, [gp.current_grads() for gp in groups], created
 
 
-def stepped_work(opt) -> list:
+def stepped_work(opt, low_precision=False) -> list:
     """Each param group's ``(gi, group, indices, params, pairs)`` (``stepped_params``), checked
-    for a parameter listed twice and for parameters that overlap in memory."""
+    for a parameter listed twice and for parameters that overlap in memory. ``low_precision``:
+    bfloat16 and float16 parameters are stepped as they are (the elementwise specs); else
+    refused (the staged ones)."""
     name = type(opt).__name__
     work, seen = [], set()
     for gi, group in enumerate(opt.param_groups):
-        indices, params, pairs = stepped_params(name, gi, group["params"])
+        indices, params, pairs = stepped_params(name, gi, group["params"], low_precision)
         check_duplicates(name, gi, indices, params, seen)
         seen.update(map(id, params))
         work.append((gi, group, indices, params, pairs))
@@ -134,7 +136,7 @@ def stepped_work(opt) -> list:
     return work
 
 
-def stepped_params(cls_name, gi, group_params):
+def stepped_params(cls_name, gi, group_params, low_precision=False):
     """The group's parameters this step updates, validated: ``(indices, params, pairs)``;
     ``pairs`` is ``(partners, grad_from_partner)`` (see GroupPlan) or None when no parameter
     has a partner (masters.py)."""
@@ -163,7 +165,7 @@ def stepped_params(cls_name, gi, group_params):
                 )
         from_partner = q is not None and p.grad is None
         grad_from_partner.append(from_partner)
-        problem = tensor_problem(p, "") or (
+        problem = tensor_problem(p, "", low_precision=low_precision) or (
             tensor_problem(q.grad, ": its partner's grad", like=q)
             if from_partner
             else tensor_problem(p.grad, ": its grad", like=p)

@@ -22,7 +22,9 @@ def _uses(t) -> int:
 
 
 class Unit:
-    """Parameters of one group whose 0-d state and init flags are equal: one ``scalars`` call."""
+    """Parameters of one group whose 0-d state, init flags, pairing and dtype are equal: one
+    ``scalars`` call, and one launch's worth of tensors of one dtype (a bfloat16 or float16
+    parameter's ops round to its dtype: its launch is not a float32 one's)."""
 
     # No reference back to the GroupPlan: a plan holds no reference cycle, so a replaced plan
     # is freed at once (its views of the flat buffers would otherwise skew ``scalar_uses``).
@@ -32,6 +34,7 @@ class Unit:
         "covers_group",
         "flags",
         "pairing",
+        "dtype",
         "scalar_columns",
         "scalar_heads",
         "scalar_flat",
@@ -39,7 +42,7 @@ class Unit:
         "columns",
     )
 
-    def __init__(self, group_plan, positions, flags, pairing=NO_PAIRING):
+    def __init__(self, group_plan, positions, flags, pairing=NO_PAIRING, dtype=torch.float32):
         self.positions = positions  # indices into group_plan.params
         # (plain bools in the unit's own slots: a step reads these instead of the lists)
         self.single_member = len(positions) < 2  # uniform by definition
@@ -47,6 +50,7 @@ class Unit:
         self.flags = flags
         # (the gradients' dtype, the partners' dtype or None): one kind of pairing per unit
         self.pairing = pairing
+        self.dtype = dtype  # the parameters' dtype (complex64: float32, as a backend steps it)
         states = [group_plan.states[i] for i in positions]
         self.scalar_columns = {n: [st[n] for st in states] for n in group_plan.scalar_names}
         # each name's first member, whose value the step's scalars start from (all are equal)
@@ -120,18 +124,26 @@ def bucket_units(gp, init_flags):
     states = gp.states
     n = len(gp.params)
     pairings = _pairings(gp)
+    dtypes = [_step_dtype(d) for d in gp.dtypes]
     if (
         n
         and all(f == init_flags[0] for f in init_flags)
         and all(k == pairings[0] for k in pairings)
+        and all(d is dtypes[0] for d in dtypes)
         and _uniform(states, names)
     ):
-        return [Unit(gp, list(range(n)), init_flags[0], pairings[0])]
+        return [Unit(gp, list(range(n)), init_flags[0], pairings[0], dtypes[0])]
     buckets: dict = {}
     for i, (st, flags) in enumerate(zip(states, init_flags, strict=True)):
-        key = (tuple(sorted(flags.items())), tuple((st[m].item(), st[m].dtype) for m in names), pairings[i])
+        scalars = tuple((st[m].item(), st[m].dtype) for m in names)
+        key = (tuple(sorted(flags.items())), scalars, pairings[i], dtypes[i])
         buckets.setdefault(key, []).append(i)
-    return [Unit(gp, pos, dict(key[0]), key[2]) for key, pos in buckets.items()]
+    return [Unit(gp, pos, dict(key[0]), key[2], key[3]) for key, pos in buckets.items()]
+
+
+def _step_dtype(dtype):
+    """The dtype a backend steps a parameter of ``dtype`` in (a complex64's real view: float32)."""
+    return torch.float32 if dtype is torch.complex64 else dtype
 
 
 def _pairings(gp):

@@ -7,6 +7,7 @@ decoupled (``param.mul_(1 - lr * weight_decay)``, which is exact at ``weight_dec
 whose param groups have no ``decoupled_weight_decay``.
 """
 
+import functools
 import inspect
 
 import torch
@@ -55,6 +56,35 @@ def scalars(group, state):
     }
 
 
+@functools.cache
+def _casts_tensor_beta1() -> bool:
+    """Whether this torch's for-loop casts a tensor beta1 to the parameter's dtype before it
+    takes ``1 - beta1`` (``device_beta1``: from torch 2.6 on, where it is a 0-d tensor): a probe,
+    one step of a bfloat16 element, whose ``exp_avg`` is then the lerp weight as rounded."""
+    p = torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)
+    p.grad = torch.ones(1, dtype=torch.bfloat16)
+    opt = torch.optim.Adam([p], betas=(torch.tensor(0.9), torch.tensor(0.999)), foreach=False)
+    opt.step()
+    cast = 1 - torch.tensor(0.9).to(torch.bfloat16)
+    return bool(opt.state[p]["exp_avg"][0] == cast)
+
+
+def low_precision_scalars(group, values, dtype, zero_dim):
+    """A tensor beta1's lerp weight as torch's for-loop computes it for a ``dtype`` parameter:
+    ``1 - beta1.to(dtype)`` in that dtype, or ``1 - beta1`` in float32 rounded to it (but
+    unrounded for a 0-d parameter: the two promote to float32)."""
+    beta1 = to_scalar(group["betas"][0])
+    if not isinstance(beta1, torch.Tensor):
+        return values
+    if _casts_tensor_beta1():
+        weight = float(1 - beta1.to(dtype))
+    elif zero_dim:
+        return values
+    else:
+        weight = blocks.in_dtype(values["one_minus_beta1"], dtype)
+    return {**values, "one_minus_beta1": weight}
+
+
 def inputs(o):
     return [*blocks.MOMENT_INPUTS] + (["max_exp_avg_sq"] if o.amsgrad else [])
 
@@ -78,6 +108,7 @@ ADAM = OptimizerSpec(
     inputs,
     scalars,
     statements,
+    low_precision_scalars=low_precision_scalars,
     rich_kwargs=dict(lr=0.01, weight_decay=0.1, amsgrad=True),
     fidelity_kwargs=dict(lr=1e-2, weight_decay=1e-3),
 )
@@ -89,6 +120,7 @@ ADAMW = OptimizerSpec(
     inputs,
     scalars,
     statements,
+    low_precision_scalars=low_precision_scalars,
     # AdamW decays by default (weight_decay=0.01)
     rich_kwargs=dict(lr=0.01, amsgrad=True),
     fidelity_kwargs=dict(lr=1e-2, amsgrad=True),

@@ -14,6 +14,8 @@ with their scalars (``weight_decay_scalars``, ``moment_scalars``), computed as t
 and the state and options the Adam family shares (``moment_state``, ``decay_options``).
 """
 
+import torch
+
 from .core import zeros_like
 from .ir import add, addcmul, lerp
 
@@ -79,3 +81,23 @@ def adam_moments(b, grad):
 
 def moment_scalars(beta1, beta2):
     return {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2}
+
+
+def in_dtype(value, dtype) -> float:
+    """A float32 value (a 0-d float32 tensor's) as torch rounds it to ``dtype``."""
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype))
+
+
+def tensor_weight_scalars(weight: str, option: str, index=None):
+    """The ``low_precision_scalars`` of a spec whose lerp weight ``weight`` is ``1 - x``, ``x``
+    the group's ``option`` (or its ``index``-th entry, a beta): where ``x`` is a tensor, the
+    weight is a float32 0-d tensor, which torch's lerp rounds to the parameter's dtype (but for
+    a 0-d parameter: the two promote to float32)."""
+
+    def rounded(group, values, dtype, zero_dim):
+        x = group[option] if index is None else group[option][index]
+        if isinstance(x, torch.Tensor) and not zero_dim:
+            values = {**values, weight: in_dtype(values[weight], dtype)}
+        return values
+
+    return rounded

@@ -111,6 +111,12 @@ class OptimizerSpec(SpecBase):
     statements: Callable
     scalar_state: tuple = ("step",)
     flags: tuple = ()  # per-step flags (bools from init_state or scalars) that select the program
+    # torch holds a few scalars as 0-d tensors, which its ops round to a bfloat16 or float16
+    # parameter's dtype (a tensor lerp weight: ``1 - beta1`` of a tensor beta1), unless the
+    # parameter is 0-d too (type promotion: the op runs in float32). For such a parameter the
+    # step calls ``low_precision_scalars(group, values, dtype, zero_dim)`` on the scalars
+    # ``scalars`` returned; it returns them with those rounded as torch rounds them
+    low_precision_scalars: Callable | None = None
 
     def program(self, options: dict) -> Program:
         return built_once(self, options, self._build)

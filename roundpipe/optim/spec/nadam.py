@@ -64,6 +64,7 @@ NADAM = OptimizerSpec(
     scalars,
     statements,
     scalar_state=("step", "mu_product"),
+    low_precision_scalars=blocks.tensor_weight_scalars("one_minus_beta1", "betas", 0),
     rich_kwargs=dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
     fidelity_kwargs=dict(lr=1e-2),
 )

@@ -69,6 +69,7 @@ RADAM = OptimizerSpec(
     statements,
     flags=("rectify",),
     # with the default betas, it rectifies from step 6 on
+    low_precision_scalars=blocks.tensor_weight_scalars("one_minus_beta1", "betas", 0),
     rich_kwargs=dict(lr=0.01, weight_decay=0.1),
     fidelity_kwargs=dict(lr=1e-2),
 )

@@ -2,6 +2,7 @@
 
 import torch
 
+from . import blocks
 from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
 from .ir import add, addcdiv, addcmul, lerp, sqrt
@@ -43,6 +44,9 @@ def scalars(group, state):
         "weight_decay": group["weight_decay"],
         "alpha": alpha,
         "one_minus_alpha": 1 - alpha,
+        # the same value as the lerp's weight, which a low-precision step rounds where alpha is
+        # a tensor (``low_precision_scalars``) and addcmul's value never
+        "lerp_weight": 1 - alpha,
         "eps": group["eps"],
         "momentum": group["momentum"],
         "neg_lr": -lr,
@@ -56,7 +60,7 @@ def statements(o, b):
     b.assign(square_avg, addcmul(square_avg * s.alpha, grad, grad, value=s.one_minus_alpha))
     if o.centered:
         grad_avg = b.tensor("grad_avg")
-        b.assign(grad_avg, lerp(grad_avg, grad, s.one_minus_alpha))
+        b.assign(grad_avg, lerp(grad_avg, grad, s.lerp_weight))
         avg = b.let("avg", sqrt(addcmul(square_avg, grad_avg, grad_avg, value=-1)) + s.eps)
     else:
         avg = b.let("avg", sqrt(square_avg) + s.eps)
@@ -76,6 +80,7 @@ RMSPROP = OptimizerSpec(
     inputs,
     scalars,
     statements,
+    low_precision_scalars=blocks.tensor_weight_scalars("lerp_weight", "alpha"),
     rich_kwargs=dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1),
     fidelity_kwargs=dict(lr=1e-3, centered=True, momentum=0.5),
 )

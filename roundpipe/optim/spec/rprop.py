@@ -1,8 +1,8 @@
 """Rprop: ``torch.optim.rprop._single_tensor_rprop`` (capturable=False branch).
 
 torch maps ``sign(grad * prev)`` to ``etaplus`` / ``etaminus`` / 1 with boolean indexing and
-zeroes the gradient where the sign flipped; here the same is written with ``where``. As in
-torch, a NaN product counts as 0 (torch.sign(NaN) is 0 on the CPU).
+zeroes the gradient where that factor equals ``etaminus`` (the sign flipped); here the same is
+written with ``where``. As in torch, a NaN product counts as 0 (torch.sign(NaN) is 0 on the CPU).
 """
 
 import torch
@@ -50,7 +50,10 @@ def statements(o, b):
     direction = b.let("direction", grad * prev)  # torch: sign = grad.mul(prev).sign()
     factor = b.let("factor", where(direction > 0, s.etaplus, where(direction < 0, s.etaminus, 1.0)))
     b.assign(step_size, clamp(step_size * factor, s.step_size_min, s.step_size_max))
-    grad = b.let("grad", where(direction < 0, 0.0, grad))  # for dir<0, dfdx=0
+    # torch: grad[sign.eq(etaminus)] = 0, the etaminus rounded to the parameter's dtype. Of the
+    # factor's values (etaplus >= 1 >= etaminus, rounded) the ones equal to etaminus are those
+    # at most etaminus: where it rounds to 1 (0.999 in bfloat16) the unchanged signs count too
+    grad = b.let("grad", where(factor <= s.etaminus, 0.0, grad))
     b.assign(param, addcmul(param, sign(grad), step_size, value=-1))
     b.assign(prev, grad)
 

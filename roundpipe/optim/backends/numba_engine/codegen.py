@@ -35,6 +35,7 @@ class KernelSource:
     tensors: tuple  # program tensor names: the rows of ``addresses``
     scalars: tuple  # scalar_env() keys: the first columns of ``scalar_rows``
     consts: tuple  # np.float32 constants: the last columns of ``scalar_rows``
+    tails: bool = False  # its items carry a tail flag (layout.partition with ``tails``)
 
 
 @dataclass
@@ -44,7 +45,9 @@ class _Kernel:
     lowering: KernelLowering
     targets: tuple
     tensors: tuple  # the rows of ``addresses``: the program's tensors, then any partner
-    low: dict  # tensor -> its low-precision dtype (a pairing's gradient or partner)
+    # tensor -> its low-precision dtype (a pairing's gradient or partner; every tensor of a
+    # low-precision program)
+    low: dict
     partner_dtype: str | None
 
     def view(self, tensor: str) -> str:
@@ -59,40 +62,61 @@ class _Kernel:
         return f"widen_{self.low[tensor]}({element})" if tensor in self.low else element
 
     def stores(self, tensors) -> list:
-        """The lines writing each of ``tensors``' final values, then any partner (the final
-        ``param``, rounded to the partner's dtype)."""
+        """The lines writing each of ``tensors``' final values (rounded to a low-precision
+        tensor's dtype), then any partner (the final ``param``, rounded to the partner's dtype)."""
         current = self.lowering.current
-        lines = [f"{self.view(t)}[i] = {current[t]}" for t in tensors]
+        bits = getattr(self.lowering, "bits", {})  # (a low-precision value's bits, as computed)
+        lines = []
+        for t in tensors:
+            value = current[t]
+            if value in bits:
+                value = bits[value]
+            elif t in self.low:
+                value = f"narrow_{self.low[t]}({value})"
+            lines.append(f"{self.view(t)}[i] = {value}")
         if self.partner_dtype:
             lines.append(f"{self.view('partner')}[i] = narrow_{self.partner_dtype}({current['param']})")
         return lines
 
 
 def generate(
-    program, variant: tuple, fused=frozenset(), sqrt_kind: str = "routine", dtype_names=("float32", None)
+    program,
+    variant: tuple,
+    fused=frozenset(),
+    sqrt_kind: str = "routine",
+    dtype_names=("float32", None),
+    low=None,
 ) -> KernelSource:
     """The kernel source for ``program`` and a lerp variant (``formulas.lerp_variant``);
     ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA;
     ``sqrt_kind``: how a block's roots are taken (``SQRT_KINDS``); ``dtype_names``: ``(grad dtype,
     partner dtype or None)`` by name: a ``bfloat16``/``float16`` gradient is widened as it is
     read, and a partner (the last row of ``addresses``) written with the final ``param``,
-    rounded to its dtype."""
+    rounded to its dtype. ``low``: the ``low_precision.Rounding`` of a program whose tensors are
+    all of that bfloat16 or float16 dtype: each read widened, each op rounded to the dtype as
+    torch rounds it (formulas.py), each target stored in it; no pairing then."""
     if sqrt_kind not in SQRT_KINDS:
         raise ValueError(f"sqrt_kind {sqrt_kind!r} is not one of {SQRT_KINDS}")
     grad_dtype, partner_dtype = dtype_names
     if grad_dtype not in ("float32", *LOW_PRECISION) or partner_dtype not in (None, *LOW_PRECISION):
         raise ValueError(f"dtype_names {dtype_names!r}: dtypes must be float32, bfloat16 or float16")
-    lowering = KernelLowering(program, variant, fused)
+    if low is not None and (grad_dtype, partner_dtype) != ("float32", None):
+        raise ValueError("a low-precision program has no pairing: dtype_names must be the default")
+    lowering = KernelLowering(program, variant, fused, low)
     tensors = tuple(program.tensors) + (("partner",) if partner_dtype else ())
     lowering.views.setdefault("partner", local_name("view", len(tensors) - 1, "partner"))
-    low = {t: d for t, d in (("grad", grad_dtype), ("partner", partner_dtype)) if d in LOW_PRECISION}
-    kernel = _Kernel(lowering, tuple(program.targets), tensors, low, partner_dtype)
+    if low is not None:
+        storage = {t: low.name for t in program.tensors}
+    else:
+        storage = {t: d for t, d in (("grad", grad_dtype), ("partner", partner_dtype)) if d in LOW_PRECISION}
+    kernel = _Kernel(lowering, tuple(program.targets), tensors, storage, partner_dtype)
     row_names = (*sorted(lowering.scalars), *sorted(lowering.consts))
     if lowering.sqrt_cuts:
         scratch, inner, intrinsics = _block_loop(kernel, sqrt_kind)
         emulations = [EMULATION_INTRINSICS[sqrt_kind]] if sqrt_kind in EMULATION_INTRINSICS else []
     else:
         scratch, inner, intrinsics, emulations = [], _slice_loop(kernel), [], []
+    setup = _item_setup(row_names, lowering.uses_tail)
     lines = [
         *_header(program, variant, lowering, sqrt_kind, dtype_names),
         "import numpy as np",
@@ -101,11 +125,12 @@ def generate(
         *_imports(kernel, intrinsics, emulations),
         "",
         "",
-        *_kernel_function("kernel_parallel", "prange", scratch, _item_setup(row_names), inner),
-        *_kernel_function("kernel_serial", "range", scratch, _item_setup(row_names), inner),
+        *_kernel_function("kernel_parallel", "prange", scratch, setup, inner),
+        *_kernel_function("kernel_serial", "range", scratch, setup, inner),
     ]
     consts = tuple(np.float32(lowering.consts[c]) for c in sorted(lowering.consts))
-    return KernelSource("\n".join(lines).rstrip() + "\n", tensors, tuple(sorted(lowering.scalars)), consts)
+    scalars = tuple(sorted(lowering.scalars))
+    return KernelSource("\n".join(lines).rstrip() + "\n", tensors, scalars, consts, lowering.uses_tail)
 
 
 def _indent(lines, depth: int = 1) -> list:
@@ -126,6 +151,9 @@ def _header(program, variant, lowering, sqrt_kind, dtype_names) -> list:
     ]
     if grad_dtype in LOW_PRECISION or partner_dtype in LOW_PRECISION:
         lines.append(f"# gradients {grad_dtype}, partners {partner_dtype} (written with the final param),")
+    if lowering.low is not None:
+        lines.append(f"# every tensor {lowering.low.name}, each op rounded to it as torch rounds it")
+        lines.append(f"# ({lowering.low.what}),")
     return lines + [
         f"# generator version {GENERATOR_VERSION}. The same loop twice: kernel_parallel (njit with",
         "# parallel=True) and kernel_serial (one thread). Arguments: nthreads; layout (int64: each",
@@ -150,9 +178,14 @@ def _imports(kernel: _Kernel, block_intrinsics: list, emulations: list) -> list:
         *(["u16ptr"] if low else []),
         "wide_vectors",
     ]
+    written = [t for t in kernel.targets if t in low]
     conversions = [
-        *([f"widen_{low['grad']}"] if "grad" in low and "grad" in lowering.loads else []),
-        *([f"narrow_{kernel.partner_dtype}"] if kernel.partner_dtype else []),
+        *sorted({f"widen_{low[t]}" for t in lowering.loads if t in low}),
+        *sorted(
+            {f"narrow_{low[t]}" for t in written}
+            | ({f"narrow_{kernel.partner_dtype}"} if kernel.partner_dtype else set())
+        ),
+        *([f"round_{lowering.low.name}"] if lowering.uses_round else []),
     ]
     lines = [f"from {_PACKAGE}.intrinsics import {', '.join(intrinsics)}"]
     if emulations:
@@ -181,15 +214,17 @@ def _kernel_function(name, loop, scratch, setup, inner) -> list:
     ]
 
 
-def _item_setup(row_names) -> list:
-    """An item's parameter, its row of scalars, and its slice ``[start, start + count)``."""
+def _item_setup(row_names, tails=False) -> list:
+    """An item's parameter, its row of scalars, and its slice ``[start, start + count)``; with
+    ``tails``, its flag ``tail`` too (the item lies in torch's scalar tail: layout.partition)."""
     return [
-        "item_at = layout[0] + 3 * item",
+        f"item_at = layout[0] + {4 if tails else 3} * item",
         "param_index = layout[item_at]",
         "row = layout[layout[1] + param_index]",
         *(f"{name} = scalar_rows[row, {k}]" for k, name in enumerate(row_names)),
         "start = layout[item_at + 1]",
         "count = layout[item_at + 2] - start",
+        *(["tail = layout[item_at + 3] != 0"] if tails else []),
         # the slice's own pointer and a loop from 0: numba then knows no index is negative (no
         # wraparound code), and LLVM vectorizes the loop
     ]

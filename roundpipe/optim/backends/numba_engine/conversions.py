@@ -89,6 +89,14 @@ def _narrow_float16(builder, x, f16c):
     return builder.trunc(r, _I16)
 
 
+def _round_bfloat16(builder, x, f16c):
+    return _widen_bfloat16(builder, _narrow_bfloat16(builder, x, f16c), f16c)
+
+
+def _round_float16(builder, x, f16c):
+    return _widen_float16(builder, _narrow_float16(builder, x, f16c), f16c)
+
+
 def _conversion(name, build, arg_type, result_type, f16c=None):
     """The intrinsic ``name(x)``: ``build(builder, x, f16c)``; ``f16c`` None: whether numba's
     target has F16C (without it, LLVM would lower ``half`` to a runtime call)."""
@@ -108,13 +116,16 @@ def _conversion(name, build, arg_type, result_type, f16c=None):
 
 
 def conversion_intrinsics(f16c=None) -> dict:
-    """The four conversions by name; ``f16c``: True or False forces one form (for tests)."""
+    """The conversions by name; ``f16c``: True or False forces one form (for tests).
+    ``round_<dtype>``: float32 to the dtype and back (a low-precision program's op rounding)."""
     u16, f32 = types.uint16, types.float32
     return {
         "widen_bfloat16": _conversion("widen_bfloat16", _widen_bfloat16, u16, f32, f16c),
         "widen_float16": _conversion("widen_float16", _widen_float16, u16, f32, f16c),
         "narrow_bfloat16": _conversion("narrow_bfloat16", _narrow_bfloat16, f32, u16, f16c),
         "narrow_float16": _conversion("narrow_float16", _narrow_float16, f32, u16, f16c),
+        "round_bfloat16": _conversion("round_bfloat16", _round_bfloat16, f32, f32, f16c),
+        "round_float16": _conversion("round_float16", _round_float16, f32, f32, f16c),
     }
 
 
@@ -123,3 +134,5 @@ widen_bfloat16 = _target_form["widen_bfloat16"]
 widen_float16 = _target_form["widen_float16"]
 narrow_bfloat16 = _target_form["narrow_bfloat16"]
 narrow_float16 = _target_form["narrow_float16"]
+round_bfloat16 = _target_form["round_bfloat16"]
+round_float16 = _target_form["round_float16"]

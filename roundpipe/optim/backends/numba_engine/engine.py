@@ -18,6 +18,7 @@ import torch
 from ... import threads
 from .. import pairing_of, segments
 from ..formulas import lerp_variant, lerp_weights, scalar_env
+from ..low_precision import LOW_PRECISION, rounding
 from .config import PARALLEL_MIN_NUMEL, import_numba
 from .kernels import NumbaKernel, compile_kernel, keep_torch_threads, sqrt_kind
 from .layout import AddressTable
@@ -54,8 +55,13 @@ class NumbaEngine:
             self.sqrt_kind,
         )
 
-    def kernel(self, program, variant, dtype_names=("float32", None)) -> NumbaKernel:
-        return compile_kernel(program, variant, self.fused, self.sqrt_kind, dtype_names)
+    def kernel(self, program, variant, dtype_names=("float32", None), low=None) -> NumbaKernel:
+        return compile_kernel(program, variant, self.fused, self.sqrt_kind, dtype_names, low)
+
+    def exact_for(self, dtype) -> bool:
+        """Whether its kernels are bit for bit torch's for-loop on parameters of ``dtype``
+        (bfloat16, float16: where ``low_precision.rounding`` found torch's formulas)."""
+        return rounding(dtype).exact if dtype in LOW_PRECISION else self.exact
 
     def prepare(self, program, scalars, columns, cache):
         """Everything a launch over ``columns`` needs (kernels compiled, the address table, the
@@ -66,18 +72,20 @@ class NumbaEngine:
         by_variant: dict = {}
         for values, start, stop in segments(scalars, len(params)):
             by_variant.setdefault(lerp_variant(values, weights), []).append((values, start, stop))
-        dtype_names = _dtype_names(columns)
+        low = _low(params)
+        dtype_names = _dtype_names(columns) if low is None else ("float32", None)
         table = self._table(program, columns, cache)
         if table.total == 0:
             table.release_volatile()
             return _nothing
         nthreads = self._threads(table.total)
+        torch_threads = torch.get_num_threads()  # (where the for-loop's tails are)
         calls = []
         compiled = cache.setdefault("compiled", {})  # (variant, parallel) -> (kernel, dispatcher)
         for variant, parts in by_variant.items():
             hit = compiled.get((variant, nthreads > 1))
             try:
-                kernel = hit[0] if hit else self.kernel(program, variant, dtype_names)
+                kernel = hit[0] if hit else self.kernel(program, variant, dtype_names, low)
                 rows, scalar_rows = self._rows(kernel, parts, len(params), weights, cache)
                 if hit is None:
                     with keep_torch_threads():  # a first parallel call starts numba's pool
@@ -87,10 +95,13 @@ class NumbaEngine:
                         _log_threading_once()
             except Exception as err:  # not KeyboardInterrupt: that propagates as itself
                 raise KernelCompileError(f"cannot compile the kernel of this program: {err}") from err
-            calls.append((hit[1], table.layout(nthreads, rows), scalar_rows))
+            calls.append((hit[1], table.layout(nthreads, rows, hit[0].tails(torch_threads)), scalar_rows))
         launch = _launcher(self._numba, nthreads, calls, table, self.sqrt_routine)
         if len(calls) == 1 and type(scalars) is dict:
-            cache["replay"] = self._record(weights, variant, nthreads, table, hit[0], calls[0], launch)
+            record = self._record(weights, variant, nthreads, table, hit[0], calls[0], launch)
+            cache["replay"] = record
+            if hit[0].source.tails:
+                record.torch_threads = torch_threads
         else:
             cache.pop("replay", None)
         return launch
@@ -108,7 +119,10 @@ class NumbaEngine:
         names = (*program.tensors, "partner") if partner_dtype is not None else program.tensors
         table = cache.get("table")
         if table is None or table.names != names or table.params is not params:
-            dtypes = {"grad": grad_dtype, "partner": partner_dtype}
+            if _low(params) is not None:  # every tensor of the parameter's dtype
+                dtypes = dict.fromkeys(names, params[0].dtype)
+            else:
+                dtypes = {"grad": grad_dtype, "partner": partner_dtype}
             table = cache["table"] = AddressTable(names, params, dtypes)
         for r, name in enumerate(names):
             table.update(r, columns[name])
@@ -163,6 +177,25 @@ def _log_threading_once():
     if not _logged_threading and logger.isEnabledFor(logging.DEBUG):
         _logged_threading.append(True)
         logger.debug("numba engine: parallel kernels on %s", threads.threading_report()["summary"])
+
+
+def _low(params):
+    """The ``low_precision.Rounding`` of bfloat16 or float16 parameters (None: float32)."""
+    if params and params[0].dtype in LOW_PRECISION:
+        found = rounding(params[0].dtype)
+        if found.dtype not in _logged_rounding and logger.isEnabledFor(logging.DEBUG):
+            _logged_rounding.add(found.dtype)
+            logger.debug(
+                "numba engine: %s parameters, each op rounded as torch's kernels round it: %s (%s)",
+                found.name,
+                found.what,
+                "bit for bit torch" if found.exact else "not every formula known: within assert_close",
+            )
+        return found
+    return None
+
+
+_logged_rounding: set = set()  # (process-wide; a race logs twice at worst)
 
 
 def _dtype_names(columns) -> tuple:
@@ -220,6 +253,7 @@ class LaunchRecord:
         "weights",
         "variant",
         "nthreads",
+        "torch_threads",
         "total",
         "names",
         "complements",
@@ -232,6 +266,8 @@ class LaunchRecord:
         self.weights = weights
         self.variant = _VARIANTS.setdefault(variant, variant)  # shared: one object less to read
         self.nthreads = nthreads
+        # a kernel whose formulas take torch's tails apart: torch's thread count they were cut for
+        self.torch_threads = None
         self.scalar_rows = scalar_rows
         # rebind's launch: the kernel's call without the table's bookkeeping (a step of
         # one small parameter pays for every object it touches: they are out of cache by the
@@ -260,6 +296,8 @@ class LaunchRecord:
         if weights and lerp_variant(scalars, weights) != self.variant:
             return None
         if engine._threads(self.total) != self.nthreads:
+            return None
+        if self.torch_threads is not None and torch.get_num_threads() != self.torch_threads:
             return None
         # what scalar_env() and scalar_row() compute, without their dicts (KeyError: a scalar is
         # missing, as there); float32 on assignment to ``scalar_rows``, as scalar_env's

@@ -50,6 +50,11 @@ class NumbaKernel:
     parallel: object  # numba dispatcher of kernel_parallel
     serial: object  # numba dispatcher of kernel_serial
     _row_layout: tuple | None = field(default=None, repr=False, compare=False)
+    low: object = None  # the low_precision.Rounding of a bfloat16 or float16 program
+
+    def tails(self, torch_threads: int):
+        """``layout.partition``'s ``tails`` for a launch of this kernel (None: no tail flag)."""
+        return (torch_threads, self.low.step) if self.source.tails else None
 
     def row_layout(self, weights) -> tuple:
         """``(names, complements)``: where each scalar of a row of ``scalar_rows`` comes from,
@@ -71,14 +76,17 @@ class NumbaKernel:
         return self._row_layout
 
     def run(self, tensors: dict, env: dict, nthreads: int = 1, sqrt_routine: int | None = None):
-        """Run once on one set of same-shaped real float32 tensors (name -> tensor) with the
-        scalars ``env`` (``scalar_env()``): for tests and tools; steps go through the engine.
-        ``sqrt_routine``: the sqrt routine's address (default: torch's, ``torch_sqrt``)."""
-        table = AddressTable(self.source.tensors, [tensors["param"]])
+        """Run once on one set of same-shaped real float32 tensors (name -> tensor; of the
+        program's dtype, for a low-precision one) with the scalars ``env`` (``scalar_env()``):
+        for tests and tools; steps go through the engine. ``sqrt_routine``: the sqrt routine's
+        address (default: torch's, ``torch_sqrt``). Tails as torch's for its thread count now."""
+        dtypes = {n: tensors[n].dtype for n in self.source.tensors}
+        table = AddressTable(self.source.tensors, [tensors["param"]], dtypes)
         for r, name in enumerate(self.source.tensors):
             table.update(r, [tensors[name]])
         scalar_rows = np.asarray([self.scalar_row(env)], dtype=np.float32)
-        layout = pack_layout(*partition(table.sizes, nthreads), np.zeros(1, np.int64))
+        tails = self.tails(torch.get_num_threads())
+        layout = pack_layout(*partition(table.sizes, nthreads, tails), np.zeros(1, np.int64))
         kernel = self.serial if nthreads == 1 else self.parallel
         routine = torch_sqrt()[0] if sqrt_routine is None else sqrt_routine
         if not routine and "emulated_sqrt_" in self.source.source:
@@ -109,25 +117,29 @@ _kernels = CompileCache()
 
 
 def compile_kernel(
-    program, variant: tuple, fused=None, sqrt: str | None = None, dtype_names=("float32", None)
+    program, variant: tuple, fused=None, sqrt: str | None = None, dtype_names=("float32", None), low=None
 ) -> NumbaKernel:
     """The kernels for ``program`` and a lerp variant; ``fused`` defaults to torch_fusion()'s,
-    ``sqrt`` (a ``SQRT_KINDS`` entry) to sqrt_kind()'s; ``dtype_names`` as ``generate``'s. numba
-    compiles (or loads from its cache) each of the two on its first call."""
+    ``sqrt`` (a ``SQRT_KINDS`` entry) to sqrt_kind()'s; ``dtype_names`` and ``low`` as
+    ``generate``'s (a low-precision program takes its fused set from ``low``, and no sqrt
+    kind: its root is the correctly rounded one). numba compiles (or loads from its cache) each
+    of the two on its first call."""
     numba = import_numba()
+    if low is not None:
+        fused, sqrt = low.fused, "routine"
     if fused is None:
         fused = torch_fusion()[0]
     fused = frozenset(fused)
     if sqrt is None:
         sqrt = sqrt_kind()
-    key = (program, tuple(variant), fused, sqrt, tuple(dtype_names))
-    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt, dtype_names))
+    key = (program, tuple(variant), fused, sqrt, tuple(dtype_names), low)
+    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt, dtype_names, low))
 
 
-def _compile(numba, program, variant, fused, sqrt="routine", dtype_names=("float32", None)) -> NumbaKernel:
-    source = generate(program, variant, fused, sqrt, dtype_names)
+def _compile(numba, program, variant, fused, sqrt="routine", dtype_names=("float32", None), low=None):
+    source = generate(program, variant, fused, sqrt, dtype_names, low)
     parallel, serial, on_disk = jit_module(numba, "roundpipe_numba_", source.source)
-    return NumbaKernel(program, tuple(variant), fused, source, on_disk, parallel, serial)
+    return NumbaKernel(program, tuple(variant), fused, source, on_disk, parallel, serial, low=low)
 
 
 def jit_module(numba, prefix: str, source: str):

@@ -10,15 +10,21 @@ import numpy as np
 import torch
 
 from ...tensors import Checked
+from ..low_precision import tail_spans
 from .config import ALIGN
 
 
-def partition(sizes, nthreads: int):
+def partition(sizes, nthreads: int, tails=None):
     """Split the elements of tensors of ``sizes`` into ``nthreads`` equal contiguous shares.
 
     Returns ``(bounds, items)``: thread ``w`` runs ``items[bounds[w]:bounds[w + 1]]``, each item
-    ``(tensor index, start, stop)``; shares are cut at multiples of ALIGN elements.
+    ``(tensor index, start, stop)``; shares are cut at multiples of ALIGN elements. ``tails``:
+    ``(torch's thread count, the vector loop's step)`` of a low-precision kernel whose formulas
+    take torch's scalar tail apart: items are cut at the tails (``low_precision.tail_spans``)
+    and carry a fourth entry, 1 in a tail, else 0.
     """
+    if tails is not None:
+        return _with_tails(sizes, *partition(sizes, nthreads), *tails)
     total = int(sum(sizes))
     share = -(-total // nthreads)
     share = -(-share // ALIGN) * ALIGN
@@ -39,8 +45,29 @@ def partition(sizes, nthreads: int):
     return np.asarray(bounds, dtype=np.int64), np.asarray(items, dtype=np.int64).reshape(-1, 3)
 
 
+def _with_tails(sizes, bounds, items, torch_threads, step):
+    """``partition``'s shares with each item cut where torch's tails start and end."""
+    spans = {}
+    out, new_bounds = [], [0]
+    for w in range(len(bounds) - 1):
+        for j, lo, hi in items[bounds[w] : bounds[w + 1]].tolist():
+            if j not in spans:
+                spans[j] = tail_spans(int(sizes[j]), torch_threads, step)
+            for a, b in spans[j]:
+                if b <= lo or a >= hi:
+                    continue
+                if lo < a:
+                    out.append((j, lo, a, 0))
+                out.append((j, max(lo, a), min(hi, b), 1))
+                lo = min(hi, b)
+            if lo < hi:
+                out.append((j, lo, hi, 0))
+        new_bounds.append(len(out))
+    return np.asarray(new_bounds, dtype=np.int64), np.asarray(out, dtype=np.int64).reshape(-1, 4)
+
+
 def pack_layout(bounds, items, rows) -> np.ndarray:
-    """A launch's ``layout``: ``[items offset, rows offset, *bounds, *items (3 per item),
+    """A launch's ``layout``: ``[items offset, rows offset, *bounds, *items (3 or 4 per item),
     *rows]`` in one int64 array (one argument: each array argument costs its own unboxing).
     ``bounds`` and ``items`` as ``partition`` returns them; ``rows[j]``: parameter ``j``'s row of
     ``scalar_rows``."""
@@ -95,13 +122,14 @@ class AddressTable:
             if volatile:
                 self.columns[row] = None
 
-    def layout(self, nthreads, rows):
-        """The launch's ``layout`` (``pack_layout``) for ``nthreads`` and the rows ``rows``."""
-        key = (nthreads, rows.tobytes())
+    def layout(self, nthreads, rows, tails=None):
+        """The launch's ``layout`` (``pack_layout``) for ``nthreads`` and the rows ``rows``;
+        ``tails`` as ``partition``'s."""
+        key = (nthreads, rows.tobytes(), tails)
         hit = self._layouts.get(key)
         if hit is None:
             # parameters outside every segment (row -1) are not run
             skipped = rows.min() < 0 if len(rows) else False
             sizes = np.where(rows >= 0, self.sizes, 0) if skipped else self.sizes
-            hit = self._layouts[key] = pack_layout(*partition(list(sizes), nthreads), rows)
+            hit = self._layouts[key] = pack_layout(*partition(list(sizes), nthreads, tails), rows)
         return hit

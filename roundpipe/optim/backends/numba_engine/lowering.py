@@ -55,9 +55,12 @@ class Record:
 class KernelLowering(Lowering):
     """The shared formulas (formulas.py) in numba's dialect: the records of one iteration."""
 
-    def __init__(self, program, variant, fused):
-        super().__init__(program, variant, fused)
+    def __init__(self, program, variant, fused, low=None):
+        super().__init__(program, variant, fused, low)
         self.uses_fma = False
+        self.uses_round = False  # a low-precision program's rounding intrinsic
+        self.uses_tail = False  # whether a formula selects on the item's ``tail`` flag
+        self.bits: dict[str, str] = {}  # a low-precision target's value -> the local of its bits
         self.rows = {name: r for r, name in enumerate(program.tensors)}
         self.views = {name: local_name("view", r, name) for r, name in enumerate(program.tensors)}
         self.current: dict[str, Code] = {}  # input tensor -> local holding its current value
@@ -109,6 +112,18 @@ class KernelLowering(Lowering):
         self.uses_fma = True
         return self.fmt("fma({}, {}, {})", a, b, c)
 
+    def narrow(self, x):
+        # float32 -> the dtype -> float32, integer operations on the bits (conversions.py)
+        self.uses_round = True
+        code = self.fmt("round_{}({})", self.low.name, x)
+        code.narrowed = x  # (an assignment's last rounding gives the bits it stores: statement)
+        return code
+
+    def in_tail(self):
+        # the item's flag (an item lies in torch's scalar tail or not at all: layout.partition)
+        self.uses_tail = True
+        return Code("tail")
+
     def bind(self, code):
         if code.isidentifier():
             return code
@@ -128,6 +143,13 @@ class KernelLowering(Lowering):
             self.versions[st.target] = self.versions.get(st.target, 0) + 1
             local = self.value(st.target, self.versions[st.target])
             self.current[st.target] = local
+            inner = getattr(code, "narrowed", None)
+            if inner is not None:
+                # the bits once, stored as they are, and the value they hold for what follows
+                bits = local_name("bits", self.rows[st.target], st.target) + f"_{self.versions[st.target]}"
+                self.records.append(Record(bits, f"narrow_{self.low.name}({inner})", uses_of(inner)))
+                self.bits[str(local)] = bits
+                code = Code(f"widen_{self.low.name}({bits})", {bits})
         else:
             raise TypeError(f"not a statement: {st!r}")
         self.records.append(Record(str(local), code, uses_of(code)))

@@ -2,9 +2,9 @@
 
 import torch
 
-from .blocks import add_on_complex, gradient
 from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
 from .ir import addcmul, sqrt
+from .shared import add_on_complex, gradient
 
 
 def init_state(group, p, state):

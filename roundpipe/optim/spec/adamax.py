@@ -6,9 +6,9 @@ propagates from either side as in torch.
 
 import torch
 
-from .blocks import gradient
 from .core import OptimizerSpec, advance_step, to_scalar, zero_step, zeros_like
 from .ir import abs_, addcdiv, lerp, maximum
+from .shared import gradient
 
 
 def init_state(group, p, state):

@@ -8,9 +8,9 @@ between averaging into ``ax`` and copying the parameter.
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from .blocks import gradient
 from .core import OptimizerSpec, set_value, to_scalar, value, zeros_like
 from .ir import add
+from .shared import gradient
 
 
 def init_state(group, p, state):

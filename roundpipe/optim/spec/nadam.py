@@ -6,7 +6,7 @@ torch does; the two ``addcdiv`` coefficients are computed from its float32 value
 
 import torch
 
-from . import blocks
+from . import shared
 from .core import OptimizerSpec, advance_step, to_scalar, value, zero_step
 from .ir import addcdiv, sqrt
 
@@ -15,14 +15,14 @@ def init_state(group, p, state):
     if len(state) == 0:
         state["step"] = zero_step()
         state["mu_product"] = torch.tensor(1.0, dtype=zero_step().dtype)
-        blocks.moment_state(p, state)
+        shared.moment_state(p, state)
 
 
-options = blocks.decay_options
+options = shared.decay_options
 
 
 def inputs(o):
-    return list(blocks.MOMENT_INPUTS)
+    return list(shared.MOMENT_INPUTS)
 
 
 def scalars(group, state):
@@ -37,8 +37,8 @@ def scalars(group, state):
     mu_product *= mu
     mu_product_next = value(mu_product) * mu_next
     return {
-        **blocks.weight_decay_scalars(group, lr),
-        **blocks.moment_scalars(beta1, beta2),
+        **shared.weight_decay_scalars(group, lr),
+        **shared.moment_scalars(beta1, beta2),
         "bias_correction2": bias_correction2,
         "eps": group["eps"],
         "grad_coef": -lr * (1.0 - mu) / (1.0 - value(mu_product)),
@@ -48,8 +48,8 @@ def scalars(group, state):
 
 def statements(o, b):
     s, param = b.s, b.tensor("param")
-    grad = blocks.gradient(o, b, complex_decay=False)
-    exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
+    grad = shared.gradient(o, b, complex_decay=False)
+    exp_avg, exp_avg_sq = shared.adam_moments(b, grad)
     denom = b.let("denom", sqrt(exp_avg_sq / s.bias_correction2) + s.eps)
     b.assign(param, addcdiv(param, grad, denom, value=s.grad_coef))
     b.assign(param, addcdiv(param, exp_avg, denom, value=s.exp_avg_coef))

@@ -6,7 +6,7 @@ program, as torch's Python ``if`` does.
 
 import torch
 
-from . import blocks
+from . import shared
 from .core import OptimizerSpec, advance_step, to_scalar, zero_step
 from .ir import add, sqrt
 
@@ -14,14 +14,14 @@ from .ir import add, sqrt
 def init_state(group, p, state):
     if len(state) == 0:
         state["step"] = zero_step()
-        blocks.moment_state(p, state)
+        shared.moment_state(p, state)
 
 
-options = blocks.decay_options
+options = shared.decay_options
 
 
 def inputs(o):
-    return list(blocks.MOMENT_INPUTS)
+    return list(shared.MOMENT_INPUTS)
 
 
 def scalars(group, state):
@@ -35,8 +35,8 @@ def scalars(group, state):
     rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
     out = {
         "rectify": bool(rho_t > 5.0),
-        **blocks.weight_decay_scalars(group, lr),
-        **blocks.moment_scalars(beta1, beta2),
+        **shared.weight_decay_scalars(group, lr),
+        **shared.moment_scalars(beta1, beta2),
         "bias_correction1": bias_correction1,
         "lr": lr,
     }
@@ -49,8 +49,8 @@ def scalars(group, state):
 
 def statements(o, b):
     s, param = b.s, b.tensor("param")
-    grad = blocks.gradient(o, b, complex_decay=False)
-    exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
+    grad = shared.gradient(o, b, complex_decay=False)
+    exp_avg, exp_avg_sq = shared.adam_moments(b, grad)
     bias_corrected_exp_avg = exp_avg / s.bias_correction1
     if o.rectify:
         adaptive_lr = b.let("adaptive_lr", s.bias_correction2_sqrt / (sqrt(exp_avg_sq) + s.eps))

@@ -2,9 +2,9 @@
 
 import torch
 
-from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
 from .ir import add, addcdiv, addcmul, lerp, sqrt
+from .shared import gradient
 
 
 def init_state(group, p, state):

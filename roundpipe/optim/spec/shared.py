@@ -1,4 +1,4 @@
-"""Building blocks that several torch optimizers share, written once.
+"""Lines that several torch optimizers share, written once.
 
 Each is the same few lines of torch's ``_single_tensor_*`` functions, in the same order:
 

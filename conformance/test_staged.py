@@ -32,13 +32,13 @@ from .harness import (
     CLOSURE_EVERY,
     TORCH,
     ParamSpec,
-    _gradient,
-    _same_meta,
-    _same_value,
     bits_mismatch,
     check_grads_untouched,
     conformance_threads,
     harness_threads,
+    same_meta,
+    same_value,
+    step_gradient,
 )
 from .staged_cases import (
     STAGED_CASES,
@@ -69,7 +69,7 @@ def gradients(specs, step: int):
         key = (specs, step)
         grads = _grad_cache.get(key)
         if grads is None:
-            grads = [_gradient(i, s, step) for i, s in enumerate(specs)]
+            grads = [step_gradient(i, s, step) for i, s in enumerate(specs)]
             _grad_cache[key] = grads
         return grads
 
@@ -141,7 +141,7 @@ def assert_same(ours, theirs, ctx, vs="torch"):
         if list(ga) != list(gb):
             raise AssertionError(ctx(f"param_groups[{g}] has keys {list(ga)}, {vs}'s {list(gb)}"))
         for key, vb in gb.items():
-            if not _same_value(ga[key], vb):
+            if not same_value(ga[key], vb):
                 raise AssertionError(ctx(f"param_groups[{g}][{key!r}] is {ga[key]!r}, {vs}'s is {vb!r}"))
     pairs = []
     for i, (pa, pb) in enumerate(zip(params_a, params_b, strict=True)):
@@ -158,7 +158,7 @@ def assert_same(ours, theirs, ctx, vs="torch"):
             elif isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor) or va != vb:
                 raise AssertionError(ctx(f"{what}: {va!r} vs {vs}'s {vb!r}"))
     for what, a, b in pairs:
-        if not _same_meta(a, b):
+        if not same_meta(a, b):
             raise AssertionError(
                 ctx(f"{what}: dtype/shape {a.dtype} {tuple(a.shape)}, {vs}'s {b.dtype} {tuple(b.shape)}")
             )

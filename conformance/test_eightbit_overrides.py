@@ -178,6 +178,19 @@ LATER = {"p1": ("lr", 4e-3), "p0": ("weight_decay", 0.0)}
 NAMES = [n for n in EIGHTBIT_SPECS if not n.startswith("Paged")] + ["PagedAdEMAMix8bit"]
 
 
+def lockstep(ours, ours_params, theirs, their_params, steps, gen, where, before=None):
+    """``steps`` steps of both on the same gradients, compared after each; ``before(step)`` first."""
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        for p, q in zip(ours_params, their_params, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+        compare(ours, theirs, ours_params, their_params, f"{where}, step {step + 1}")
+
+
 def _register(manager, params, overrides):
     for key, config in overrides.items():
         manager.override_config(params[int(key[1:])], key_value_dict=dict(config))
@@ -194,17 +207,14 @@ def test_hyperparameter_overrides_as_bitsandbytes(name, kind):
     overrides = {**START, **RULE_OVERRIDES.get(name.removeprefix("Paged"), {})}
     _register(manager_of(kind), ours_params, overrides)
     _register(bnb.optim.GlobalOptimManager.get_instance(), their_params, overrides)
-    for step in range(8):
+
+    def later(step):
         if step == 3:
             for key, (k, v) in LATER.items():
                 manager_of(kind).override_config(ours_params[int(key[1:])], k, v)
                 bnb.optim.GlobalOptimManager.get_instance().override_config(their_params[int(key[1:])], k, v)
-        for p, q in zip(ours_params, their_params, strict=True):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        ours.step()
-        theirs.step()
-        compare(ours, theirs, ours_params, their_params, f"{name} ({kind}), step {step + 1}")
+
+    lockstep(ours, ours_params, theirs, their_params, 8, gen, f"{name} ({kind})", later)
     assert ours.state[ours_params[2]]["state1"].dtype == torch.float32
     assert ours.state[ours_params[1]]["state1"].dtype == torch.uint8
 
@@ -274,11 +284,5 @@ def test_overrides_registered_by_position_reach_other_parameters_there(kind):
         stepped = [t.clone().requires_grad_() for t in start]  # other tensors at the same positions
         sides.append((stepped, make("AdamW8bit", stepped, {}, "fast" if side == "roundpipe" else None)))
     (ours_params, ours), (their_params, theirs) = sides
-    for step in range(4):
-        for p, q in zip(ours_params, their_params, strict=True):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        ours.step()
-        theirs.step()
-        compare(ours, theirs, ours_params, their_params, f"{kind}, step {step + 1}")
+    lockstep(ours, ours_params, theirs, their_params, 4, gen, kind)
     assert ours.state[ours_params[1]]["state1"].dtype == torch.float32

@@ -308,16 +308,23 @@ def test_state_dict(case, at, direction, backend):
 # errors: torch's exception type, raised before anything moves
 
 
-def _failed_step(run, specs, kwargs, grads_before, grads, error, match, optimizer, prepare=None):
-    """On ``run``: an optimizer over ``specs`` steps with each of ``grads_before``; then
-    ``prepare(opt, params)`` (if given) and a step with ``grads``, which must raise ``error``.
-    Returns the optimizer, its parameters and a kept snapshot from before the failing step."""
+def _stepped(run, specs, kwargs, grads_before, optimizer, prepare=None):
+    """An optimizer on ``run`` over ``specs``, stepped with each of ``grads_before``, then
+    ``prepare(opt, params)`` (if given): ``(optimizer, its parameters)``."""
     params = make_params(specs)
     opt = make_optimizer(optimizer, run, params, copy.deepcopy(kwargs))
     for step, grads_k in enumerate(grads_before):
         take_step(opt, params, grads_k, step)
     if prepare is not None:
         params = prepare(opt, params)
+    return opt, params
+
+
+def _failed_step(run, specs, kwargs, grads_before, grads, error, match, optimizer, prepare=None):
+    """On ``run``: an optimizer over ``specs`` steps with each of ``grads_before``; then
+    ``prepare(opt, params)`` (if given) and a step with ``grads``, which must raise ``error``.
+    Returns the optimizer, its parameters and a kept snapshot from before the failing step."""
+    opt, params = _stepped(run, specs, kwargs, grads_before, optimizer, prepare)
     before = snapshot(params, opt, None, keep=True)
     set_grads(params, grads)
     with pytest.raises(error, match=match):
@@ -356,12 +363,7 @@ def _check_error(
             return
         fix, grads_after = after
         fix(opt)
-        ref = make_params(specs)
-        ref_opt = make_optimizer(optimizer, TORCH, ref, copy.deepcopy(kwargs))
-        for step, grads_k in enumerate(grads_before):
-            take_step(ref_opt, ref, grads_k, step)
-        if prepare is not None:
-            ref = prepare(ref_opt, ref)
+        ref_opt, ref = _stepped(TORCH, specs, kwargs, grads_before, optimizer, prepare)
         fix(ref_opt)
         loss = take_step(ref_opt, ref, grads_after, len(grads_before))
         mine = take_step(opt, params, grads_after, len(grads_before))

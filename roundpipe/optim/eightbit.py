@@ -7,9 +7,9 @@ Each class is one class statement over its entry of the registry ``EIGHTBIT_SPEC
 (``spec/eightbit_classes.py``), as the torch family's are over ``SPECS``: ``Optimizer8bit``
 installs at class creation the ``__init__`` that runs, bitsandbytes' signature from the entry
 plus the keyword-only ``backend``. The ``__init__`` declared under ``TYPE_CHECKING`` is that
-signature written out for type checkers; it never runs (``tests/public_api/test_typing.py``
-holds it against the one that does). A ``Paged`` class declares none: type checkers see its
-base's.
+signature written out for type checkers, unannotated where bitsandbytes' is (all but
+AdEMAMix's); it never runs (``tests/public_api/test_typing.py`` holds it against the one that
+does). A ``Paged`` class declares none: type checkers see its base's.
 
 Per-parameter config from bitsandbytes' ``GlobalOptimManager`` (or roundpipe's, for a process
 without bitsandbytes) is honoured as bitsandbytes' CPU step honours it (``overrides.py``).
@@ -166,16 +166,16 @@ class Adam8bit(Optimizer8bit):
 
         def __init__(
             self,
-            params: ParamsT,
-            lr: float = 1e-3,
-            betas: tuple[float, float] = (0.9, 0.999),
-            eps: float = 1e-8,
-            weight_decay: float = 0,
-            amsgrad: bool = False,
-            optim_bits: int = 32,
-            args: object = None,
-            min_8bit_size: int = 4096,
-            is_paged: bool = False,
+            params,
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0,
+            amsgrad=False,
+            optim_bits=32,
+            args=None,
+            min_8bit_size=4096,
+            is_paged=False,
             *,
             backend: str | None = None,
         ) -> None: ...
@@ -190,16 +190,16 @@ class AdamW8bit(Adam8bit):
 
         def __init__(
             self,
-            params: ParamsT,
-            lr: float = 1e-3,
-            betas: tuple[float, float] = (0.9, 0.999),
-            eps: float = 1e-8,
-            weight_decay: float = 1e-2,
-            amsgrad: bool = False,
-            optim_bits: int = 32,
-            args: object = None,
-            min_8bit_size: int = 4096,
-            is_paged: bool = False,
+            params,
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=1e-2,
+            amsgrad=False,
+            optim_bits=32,
+            args=None,
+            min_8bit_size=4096,
+            is_paged=False,
             *,
             backend: str | None = None,
         ) -> None: ...
@@ -226,13 +226,13 @@ class Lion8bit(Optimizer8bit):
 
         def __init__(
             self,
-            params: ParamsT,
-            lr: float = 1e-4,
-            betas: tuple[float, float] = (0.9, 0.99),
-            weight_decay: float = 0,
-            args: object = None,
-            min_8bit_size: int = 4096,
-            is_paged: bool = False,
+            params,
+            lr=1e-4,
+            betas=(0.9, 0.99),
+            weight_decay=0,
+            args=None,
+            min_8bit_size=4096,
+            is_paged=False,
             *,
             backend: str | None = None,
         ) -> None: ...
@@ -254,14 +254,14 @@ class SGD8bit(Optimizer8bit):
 
         def __init__(
             self,
-            params: ParamsT,
-            lr: float,
-            momentum: float = 0,
-            dampening: float = 0,
-            weight_decay: float = 0,
-            nesterov: bool = False,
-            args: object = None,
-            min_8bit_size: int = 4096,
+            params,
+            lr,
+            momentum=0,
+            dampening=0,
+            weight_decay=0,
+            nesterov=False,
+            args=None,
+            min_8bit_size=4096,
             *,
             backend: str | None = None,
         ) -> None: ...
@@ -277,15 +277,15 @@ class RMSprop8bit(Optimizer8bit):
 
         def __init__(
             self,
-            params: ParamsT,
-            lr: float = 1e-2,
-            alpha: float = 0.99,
-            eps: float = 1e-8,
-            weight_decay: float = 0,
-            momentum: float = 0,
-            centered: bool = False,
-            args: object = None,
-            min_8bit_size: int = 4096,
+            params,
+            lr=1e-2,
+            alpha=0.99,
+            eps=1e-8,
+            weight_decay=0,
+            momentum=0,
+            centered=False,
+            args=None,
+            min_8bit_size=4096,
             *,
             backend: str | None = None,
         ) -> None: ...
@@ -300,15 +300,15 @@ class Adagrad8bit(Optimizer8bit):
 
         def __init__(
             self,
-            params: ParamsT,
-            lr: float = 1e-2,
-            lr_decay: float = 0,
-            weight_decay: float = 0,
-            initial_accumulator_value: float = 0,
-            eps: float = 1e-10,
-            optim_bits: int = 8,
-            args: object = None,
-            min_8bit_size: int = 4096,
+            params,
+            lr=1e-2,
+            lr_decay=0,
+            weight_decay=0,
+            initial_accumulator_value=0,
+            eps=1e-10,
+            optim_bits=8,
+            args=None,
+            min_8bit_size=4096,
             *,
             backend: str | None = None,
         ) -> None: ...

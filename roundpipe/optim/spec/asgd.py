@@ -56,10 +56,7 @@ def statements(o, b):
     grad = gradient(o, b, complex_decay=False)
     b.assign(param, param * s.decay)
     b.assign(param, add(param, grad, alpha=s.neg_eta))
-    if o.average:
-        b.assign(ax, ax + (param - ax) * s.mu)
-    else:
-        b.assign(ax, param)
+    b.assign(ax, ax + (param - ax) * s.mu if o.average else param)  # (torch copies param into ax)
 
 
 ASGD = OptimizerSpec(

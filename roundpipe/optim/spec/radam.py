@@ -17,11 +17,7 @@ def init_state(group, p, state):
         shared.moment_state(p, state)
 
 
-options = shared.decay_options
-
-
-def inputs(o):
-    return list(shared.MOMENT_INPUTS)
+options, inputs = shared.decay_options, shared.moment_inputs  # the Adam family's, without AMSGrad
 
 
 def scalars(group, state):

@@ -2,9 +2,9 @@
 
 import torch
 
-from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
+from .core import OptimizerSpec, zero_step, zeros_like
 from .ir import add, addcdiv, addcmul, lerp, sqrt
-from .shared import gradient
+from .shared import average_scalars, gradient
 
 
 def init_state(group, p, state):
@@ -36,17 +36,7 @@ def inputs(o):
 
 
 def scalars(group, state):
-    lr = to_scalar(group["lr"])
-    alpha = group["alpha"]
-    state["step"] += 1
-    return {
-        "weight_decay": group["weight_decay"],
-        "alpha": alpha,
-        "one_minus_alpha": 1 - alpha,
-        "eps": group["eps"],
-        "momentum": group["momentum"],
-        "neg_lr": -lr,
-    }
+    return {**average_scalars(group, state, "alpha"), "momentum": group["momentum"]}
 
 
 def statements(o, b):

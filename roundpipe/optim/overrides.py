@@ -95,18 +95,26 @@ class GlobalOptimManager:
         self.module_weight_config_triple.append((module, param_name, config))
 
 
-def managers() -> list:
-    """The managers in use: bitsandbytes' where bitsandbytes is imported and it was made, then
-    roundpipe's where it was made."""
-    found = []
+_THEIRS: list = []  # bitsandbytes' manager once seen (one per process: never looked up again)
+
+
+def _theirs():
+    if _THEIRS:
+        return _THEIRS[0]
     module = sys.modules.get("bitsandbytes.optim.optimizer")
-    if module is not None:
-        theirs = getattr(getattr(module, "GlobalOptimManager", None), "_instance", None)
-        if theirs is not None:
-            found.append(theirs)
-    if GlobalOptimManager._instance is not None:
-        found.append(GlobalOptimManager._instance)
+    found = getattr(getattr(module, "GlobalOptimManager", None), "_instance", None)
+    if found is not None:
+        _THEIRS.append(found)
     return found
+
+
+def managers() -> tuple:
+    """The managers in use: bitsandbytes' where bitsandbytes is imported and it was made, then
+    roundpipe's where it was made. (A step asks once per parameter: kept cheap.)"""
+    theirs, ours = _theirs(), GlobalOptimManager._instance
+    if theirs is None:
+        return () if ours is None else (ours,)
+    return (theirs,) if ours is None else (theirs, ours)
 
 
 def _held(param_groups):
@@ -131,31 +139,34 @@ class _ParameterConfig:
     """One optimizer's view of the managers: a parameter's config over its group's (bitsandbytes'
     ``get_config`` less the group), ``{}`` where nothing overrides it."""
 
-    __slots__ = ("_opt", "_checked", "_positions", "_layout")
+    __slots__ = ("_opt", "checked", "_positions", "_layout")
 
     def __init__(self, opt):
         self._opt = weakref.ref(opt)
-        self._checked = False
+        self.checked = False
         self._positions: dict = {}
         self._layout: tuple = ()
 
-    def __call__(self, p) -> dict:
+    def __call__(self, p) -> dict | None:
         found_managers = managers()
-        if not self._checked:
+        if not self.checked:
             # bitsandbytes' check_overrides runs once, at its optimizer's first step (the first
             # time a step asks for a parameter's config here)
-            self._checked = True
+            self.checked = True
             for m in found_managers:
                 check_overrides(m, self._opt().param_groups)
-        config: dict = {}
+        config = None
         for m in found_managers:
             if m.index2config:
                 where = self._position(p)
                 if where in m.index2config:
-                    config.update(m.index2config[where])
-            mine = m.pid2config.get(id(p))
-            if mine:
-                config.update(mine)
+                    config = {**(config or {}), **m.index2config[where]}
+            if m.pid2config:
+                mine = m.pid2config.get(id(p))
+                if mine:
+                    config = {**(config or {}), **mine}
+        if config is None:
+            return None
         if config.get("max_unorm", 0.0) > 0.0:
             raise NotImplementedError(
                 f"roundpipe.optim.{type(self._opt()).__name__}: GlobalOptimManager config "
@@ -186,16 +197,22 @@ def bind(opt) -> None:
     ``options`` carrying the hyperparameters it overrides (``hyper``; ``spec/eightbit.py``)."""
     spec = type(opt).spec
     config = _ParameterConfig(opt)
+    base_init_state, base_options = spec.init_state, spec.options
 
     def init_state(group, p, state):
         found = config(p)
-        return spec.init_state({**group, **found} if found else group, p, state)
+        return base_init_state({**group, **found} if found else group, p, state)
 
     def options(group, p):
+        # (asked for every parameter every step: where no manager holds a config, a few reads)
+        theirs, ours = _THEIRS[0] if _THEIRS else _theirs(), GlobalOptimManager._instance
+        if config.checked and not (theirs and (theirs.pid2config or theirs.index2config)):
+            if not (ours and (ours.pid2config or ours.index2config)):
+                return base_options(group, p)
         found = config(p)
         if not found:
-            return spec.options(group, p)
-        o = spec.options({**group, **found}, p)
+            return base_options(group, p)
+        o = base_options({**group, **found}, p)
         hyper = tuple((k, _hashable(found[k])) for k in HYPERPARAMETERS if k in found and k in group)
         return {**o, "hyper": hyper} if hyper else o
 

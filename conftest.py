@@ -13,8 +13,9 @@ CI (``.ci/run``) runs the fast unit tests a second time with ``reverse``.
 
 Process state. After every test the autouse fixture ``_restore_process_state`` puts back what
 a test may change for the whole process and forget to restore: environment variables,
-torch's, numexpr's and numba's thread counts, ``roundpipe.optim.set_num_threads`` and the
-state of torch's global random generator. Tests should still restore what they change
+torch's, numexpr's and numba's thread counts, ``roundpipe.optim.set_num_threads``, the
+state of torch's global random generator and the 8-bit family's per-parameter overrides
+(bitsandbytes' ``GlobalOptimManager`` and roundpipe's: emptied). Tests should still restore what they change
 (``monkeypatch``, ``try``/``finally``); what one did not is restored here and listed at the
 end of the run ("process state left changed"; printed also under ``-q``, like the test
 order), so that the next test does not depend on it.
@@ -30,6 +31,7 @@ import numexpr
 import pytest
 import torch
 
+import roundpipe.optim.overrides as rp_overrides
 import roundpipe.optim.threads as rp_threads
 
 ORDER_ENV_VAR = "ROUNDPIPE_TEST_ORDER"
@@ -101,8 +103,16 @@ def _numba_threads():
     return numba.get_num_threads()
 
 
+def _overrides() -> int:
+    """How many overrides bitsandbytes' ``GlobalOptimManager`` and roundpipe's hold: one a test
+    leaves reaches every later 8-bit optimizer (by parameter, and by position)."""
+    tables = ("pid2config", "index2config", "module_weight_config_triple")
+    return sum(len(getattr(m, t)) for m in rp_overrides.managers() for t in tables)
+
+
 def _capture():
     return {
+        "8-bit optimizer overrides": _overrides(),
         "environment": dict(os.environ),
         "torch threads": torch.get_num_threads(),
         "roundpipe.optim.set_num_threads": getattr(rp_threads, "_num_threads", None),
@@ -118,7 +128,7 @@ OWN_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_
 # what a test itself sets (reported when left changed); numexpr's and numba's counts are set by
 # roundpipe's steps (they follow its thread setting) and torch's generator moves whenever a
 # test draws from it, so those are restored but not reported
-REPORTED = ("torch threads", "roundpipe.optim.set_num_threads")
+REPORTED = ("torch threads", "roundpipe.optim.set_num_threads", "8-bit optimizer overrides")
 
 
 def _restore(before, after):
@@ -139,6 +149,9 @@ def _restore(before, after):
         torch.set_num_threads(before["torch threads"])
     if after["roundpipe.optim.set_num_threads"] != before["roundpipe.optim.set_num_threads"]:
         rp_threads.set_num_threads(before["roundpipe.optim.set_num_threads"])
+    if after["8-bit optimizer overrides"] != before["8-bit optimizer overrides"]:
+        for manager in rp_overrides.managers():
+            manager.initialize()
     if after["numexpr threads"] != before["numexpr threads"]:
         numexpr.set_num_threads(before["numexpr threads"])
     if before["numba threads"] is not None and after["numba threads"] != before["numba threads"]:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from roundpipe.optim.spec import SPECS
+
 STEPS = 20  # steps per case
 # Every case runs on each: the fast backend once per engine (fast:numba is plain fast's default).
 BACKENDS = ("reference", "fast:numba", "fast:torch", "fast:numexpr")
@@ -38,19 +40,7 @@ BACKENDS = ("reference", "fast:numba", "fast:torch", "fast:numexpr")
 # torch's rounding (fused multiply-adds, sqrt) exactly; elsewhere it is compared as fast:numexpr.
 BIT_EXACT = ("reference", "fast:torch", "fast:numba")
 
-OPTIMIZERS = (
-    "Adadelta",
-    "Adagrad",
-    "Adam",
-    "AdamW",
-    "Adamax",
-    "ASGD",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-    "Rprop",
-    "SGD",
-)
+OPTIMIZERS = tuple(SPECS)  # the elementwise registry: every one needs its cases here
 
 
 def T(value):
@@ -400,6 +390,6 @@ CASES_BY_OPTIMIZER = {
     "Rprop": RPROP,
     "SGD": SGD,
 }
-assert tuple(CASES_BY_OPTIMIZER) == OPTIMIZERS
+assert set(CASES_BY_OPTIMIZER) == set(OPTIMIZERS), "a registered optimizer without cases, or the reverse"
 
 CASES = [case for name in OPTIMIZERS for case in CASES_BY_OPTIMIZER[name]]

@@ -29,6 +29,10 @@ import torch
 COMPARISONS = ("torch", "reference")
 
 
+# against torch only, within assert_close's float32 defaults (bit for bit against the reference)
+CLOSE_TO_TORCH = dict(comparisons=("torch",), tolerance={"rtol": 1.3e-6, "atol": 1e-5})
+
+
 def nonzero(value) -> bool:
     return value != 0
 
@@ -127,8 +131,7 @@ RADAM_TENSOR_BETA2 = Deviation(
     backends=("reference", "fast:numba", "fast:torch"),
     optimizer="RAdam",
     where={"betas": tensor_beta2},
-    comparisons=("torch",),
-    tolerance={"rtol": 1.3e-6, "atol": 1e-5},
+    **CLOSE_TO_TORCH,
     reason=(
         "with a tensor beta2 torch's rectified step divides a 0-d tensor by sqrt(exp_avg_sq) (a "
         "true division); the spec computes reciprocal(sqrt) * scalar, torch's form for a float "
@@ -162,8 +165,7 @@ LERP_SIGNED_ZERO = Deviation(
     backends=("fast:numba", "fast:torch"),
     optimizer="Adam",
     where={"betas": zero_beta1},
-    comparisons=("torch",),
-    tolerance={"rtol": 1.3e-6, "atol": 1e-5},
+    **CLOSE_TO_TORCH,
     reason=(
         "torch's lerp(+0, -0, 1) is -0 in its vectorized body and +0 in its scalar tail; numba "
         "computes the vectorized form everywhere, the torch engine's chunk tails fall elsewhere"

@@ -158,12 +158,12 @@ def gradients(step: int, specs=PARAMS):
     with _grad_lock:
         grads = _grad_cache.get((specs, step))
         if grads is None:
-            grads = [_gradient(i, s, step) for i, s in enumerate(specs)]
+            grads = [step_gradient(i, s, step) for i, s in enumerate(specs)]
             _grad_cache[(specs, step)] = grads
         return grads
 
 
-def _gradient(index: int, spec: ParamSpec, step: int):
+def step_gradient(index: int, spec: ParamSpec, step: int):
     if spec.none_every and step % spec.none_every == 0:
         return None
     g = torch.Generator().manual_seed(10_000 * (step + 1) + index)
@@ -324,21 +324,21 @@ def snapshot(params, opt, loss, keep: bool) -> Snapshot:
     return Snapshot(loss, [p.detach().clone() for p in params], state, copy.deepcopy(sd["param_groups"]))
 
 
-def _same_meta(a, b) -> bool:
+def same_meta(a, b) -> bool:
     return (a.dtype, a.shape, a.device, a.layout) == (b.dtype, b.shape, b.device, b.layout)
 
 
-def _same_value(a, b) -> bool:
+def same_value(a, b) -> bool:
     """Equal as a ``param_groups`` entry: same type, tensors by dtype, shape and value."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)
             and isinstance(b, torch.Tensor)
-            and _same_meta(a, b)
+            and same_meta(a, b)
             and torch.equal(a, b)
         )
     if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_value, a, b))
     return type(a) is type(b) and a == b
 
 
@@ -370,7 +370,7 @@ def compare_structure(ours: Snapshot, theirs: Snapshot, ctx: Context):
                 ctx(f"state_dict()['param_groups'][{g}] has keys {list(ga)}, torch's {list(gb)}")
             )
         for key, vb in gb.items():
-            if not _same_value(ga[key], vb):
+            if not same_value(ga[key], vb):
                 raise AssertionError(
                     ctx(f"state_dict()['param_groups'][{g}][{key!r}] is {ga[key]!r}, torch's is {vb!r}")
                 )
@@ -478,7 +478,7 @@ def bits_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
     )
 
 
-def _bit_view(t: torch.Tensor) -> torch.Tensor:
+def bit_view(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bits as integers of its width (torch.equal on it tells -0.0 from 0.0)."""
     if t.is_complex():
         t = torch.view_as_real(t)
@@ -538,9 +538,9 @@ def compare_values(
 def _compare_bits(pairs, ctx, worst):
     """Every pair bit for bit (``bits_mismatch``), dtype, shape and layout first."""
     for what, a, b in pairs:
-        if _same_meta(a, b) and a.layout == torch.strided and torch.equal(_bit_view(a), _bit_view(b)):
+        if same_meta(a, b) and a.layout == torch.strided and torch.equal(bit_view(a), bit_view(b)):
             continue  # the common case, quickly (NaNs with other bits are examined below)
-        if not _same_meta(a, b) or a.layout != torch.strided:
+        if not same_meta(a, b) or a.layout != torch.strided:
             _assert_close(a, b, ctx, what)  # raises on a metadata mismatch
         _worst(worst, errors(a, b), [(what, a, b)])
         why = bits_mismatch(a, b)
@@ -553,7 +553,7 @@ def _compare_close(pairs, ctx, worst, tolerance, vs):
     groups: dict = {}
     for what, a, b in pairs:
         if (
-            not _same_meta(a, b)
+            not same_meta(a, b)
             or a.layout != torch.strided
             or a.dtype not in (torch.float32, torch.complex64)
         ):

@@ -36,8 +36,7 @@ from roundpipe.optim.masters import pair
 from . import deviations
 from .cases import BACKENDS, CASES_BY_OPTIMIZER
 from .harness import PARAMS, assert_norm_close, exact_backend, exact_norm, gradients
-from .test_masters import DTYPES, REAL, UNPAIRED, _start
-from .test_masters import _compare as compare_masters
+from .test_masters import DTYPES, REAL, UNPAIRED, compare_masters, start_pairs
 
 POISONED = next(i for i in REAL if PARAMS[i].desc.startswith("70001"))  # a partner's gradient
 INIT_SCALE = 2.0**12
@@ -156,7 +155,7 @@ def test_scaling_and_clipping(case, backend, dtype):
     cls = getattr(roundpipe.optim, case.optimizer)
     runs = {}
     for run in ("fused", "composed", "torch"):
-        masters, partners = _start(dtype)
+        masters, partners = start_pairs(dtype)
         if run == "fused":
             for m, q in zip(masters, partners, strict=True):
                 if q is not None:

@@ -16,7 +16,7 @@ from .harness import run_case
 deviations.check(CASES, BACKENDS)
 
 
-def _params():
+def case_params():
     for case in CASES:
         for backend in BACKENDS:
             deviation = deviations.lookup(case, backend)
@@ -26,6 +26,6 @@ def _params():
             yield pytest.param(case, backend, marks=marks, id=f"{case.id}-{backend}")
 
 
-@pytest.mark.parametrize("case, backend", list(_params()))
+@pytest.mark.parametrize("case, backend", list(case_params()))
 def test_conformance(case, backend):
     run_case(case, backend)

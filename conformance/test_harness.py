@@ -102,7 +102,7 @@ def test_declared_deviations_are_checked_and_an_xfail_is_strict(monkeypatch):
     xfail = Deviation(("fast:numba",), "Rprop", {"maximize": True}, "a reason", "measured")
     monkeypatch.setattr(deviations, "DEVIATIONS", (xfail,))
     deviations.check(CASES, BACKENDS)
-    marked = {p.id: p.marks for p in test_conformance._params() if p.marks}
+    marked = {p.id: p.marks for p in test_conformance.case_params() if p.marks}
     assert marked and all(
         i.startswith("Rprop-") and "maximize=True" in i and i.endswith("-fast:numba") for i in marked
     )
@@ -172,7 +172,7 @@ def test_exact_comparison_matches_nans_by_position():
     nan = float("nan")
     theirs = _with(_with(_snapshot(), 7, 5, nan), 10, 2, nan)
     ours = _with(_with(theirs, 7, 5, -nan), 10, 2, nan)  # another NaN (sign bit set) is a NaN
-    assert not torch.equal(harness._bit_view(ours.params[7]), harness._bit_view(theirs.params[7]))
+    assert not torch.equal(harness.bit_view(ours.params[7]), harness.bit_view(theirs.params[7]))
     compare_values(ours, theirs, CTX, "fast:numba", exact=True)
     for index, element in ((7, 5), (10, 2)):
         with pytest.raises(AssertionError, match=rf"param\[{index}\] .* index {element}\b"):

@@ -42,7 +42,7 @@ UNPAIRED = next(i for i in REAL if PARAMS[i].desc == "3x5")
 OWN_GRAD = next(i for i in REAL if PARAMS[i].desc == "1 element")
 
 
-def _start(dtype):
+def start_pairs(dtype):
     """(masters, partners): partners None where a parameter has none."""
     values = make_params()
     masters, partners = [], []
@@ -106,7 +106,7 @@ def _signless_mismatch(a, b):
     return bits_mismatch(a + 0.0, b + 0.0)
 
 
-def _compare(where, ours, theirs, zero_sign=True):
+def compare_masters(where, ours, theirs, zero_sign=True):
     diff = bits_mismatch if zero_sign else _signless_mismatch  # deviations.PARTNER_SIGNED_ZERO
     (om, oq, os_), (tm, tq, ts) = ours, theirs
     for k, i in enumerate(REAL):
@@ -136,7 +136,7 @@ def test_partners(case, backend, dtype):
     cls = getattr(roundpipe.optim, case.optimizer)
     runs = {}
     for run in ("paired", "composed", "torch"):
-        masters, partners = _start(dtype)
+        masters, partners = start_pairs(dtype)
         if run == "paired":
             for m, q in zip(masters, partners, strict=True):
                 if q is not None:
@@ -155,9 +155,10 @@ def test_partners(case, backend, dtype):
         for run, (opt, masters, partners) in runs.items():
             (_paired_step if run == "paired" else _composed_step)(opt, masters, partners, grads)
             snap[run] = (masters, partners, _state(opt, masters))
-        _compare(f"step {step}, paired vs composed", snap["paired"], snap["composed"])
+        compare_masters(f"step {step}, paired vs composed", snap["paired"], snap["composed"])
         if vs_torch:
-            _compare(f"step {step}, paired vs torch.optim composed", snap["paired"], snap["torch"], zero_sign)
+            where = f"step {step}, paired vs torch.optim composed"
+            compare_masters(where, snap["paired"], snap["torch"], zero_sign)
     # the masters' state_dict is the composed run's (same layout, same values)
     sd_p, sd_c = runs["paired"][0].state_dict(), runs["composed"][0].state_dict()
     assert sd_p["param_groups"] == sd_c["param_groups"] or _same_groups(sd_p, sd_c)

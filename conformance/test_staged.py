@@ -32,13 +32,13 @@ from .harness import (
     CLOSURE_EVERY,
     TORCH,
     ParamSpec,
-    _gradient,
-    _same_meta,
-    _same_value,
     bits_mismatch,
     check_grads_untouched,
     conformance_threads,
     harness_threads,
+    same_meta,
+    same_value,
+    step_gradient,
 )
 from .staged_cases import (
     STAGED_CASES,
@@ -69,7 +69,7 @@ def gradients(specs, step: int):
         key = (specs, step)
         grads = _grad_cache.get(key)
         if grads is None:
-            grads = [_gradient(i, s, step) for i, s in enumerate(specs)]
+            grads = [step_gradient(i, s, step) for i, s in enumerate(specs)]
             _grad_cache[key] = grads
         return grads
 
@@ -141,7 +141,7 @@ def assert_same(ours, theirs, ctx, vs="torch"):
         if list(ga) != list(gb):
             raise AssertionError(ctx(f"param_groups[{g}] has keys {list(ga)}, {vs}'s {list(gb)}"))
         for key, vb in gb.items():
-            if not _same_value(ga[key], vb):
+            if not same_value(ga[key], vb):
                 raise AssertionError(ctx(f"param_groups[{g}][{key!r}] is {ga[key]!r}, {vs}'s is {vb!r}"))
     pairs = []
     for i, (pa, pb) in enumerate(zip(params_a, params_b, strict=True)):
@@ -158,7 +158,7 @@ def assert_same(ours, theirs, ctx, vs="torch"):
             elif isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor) or va != vb:
                 raise AssertionError(ctx(f"{what}: {va!r} vs {vs}'s {vb!r}"))
     for what, a, b in pairs:
-        if not _same_meta(a, b):
+        if not same_meta(a, b):
             raise AssertionError(
                 ctx(f"{what}: dtype/shape {a.dtype} {tuple(a.shape)}, {vs}'s {b.dtype} {tuple(b.shape)}")
             )
@@ -308,16 +308,23 @@ def test_state_dict(case, at, direction, backend):
 # errors: torch's exception type, raised before anything moves
 
 
-def _failed_step(run, specs, kwargs, grads_before, grads, error, match, optimizer, prepare=None):
-    """On ``run``: an optimizer over ``specs`` steps with each of ``grads_before``; then
-    ``prepare(opt, params)`` (if given) and a step with ``grads``, which must raise ``error``.
-    Returns the optimizer, its parameters and a kept snapshot from before the failing step."""
+def _stepped(run, specs, kwargs, grads_before, optimizer, prepare=None):
+    """An optimizer on ``run`` over ``specs``, stepped with each of ``grads_before``, then
+    ``prepare(opt, params)`` (if given): ``(optimizer, its parameters)``."""
     params = make_params(specs)
     opt = make_optimizer(optimizer, run, params, copy.deepcopy(kwargs))
     for step, grads_k in enumerate(grads_before):
         take_step(opt, params, grads_k, step)
     if prepare is not None:
         params = prepare(opt, params)
+    return opt, params
+
+
+def _failed_step(run, specs, kwargs, grads_before, grads, error, match, optimizer, prepare=None):
+    """On ``run``: an optimizer over ``specs`` steps with each of ``grads_before``; then
+    ``prepare(opt, params)`` (if given) and a step with ``grads``, which must raise ``error``.
+    Returns the optimizer, its parameters and a kept snapshot from before the failing step."""
+    opt, params = _stepped(run, specs, kwargs, grads_before, optimizer, prepare)
     before = snapshot(params, opt, None, keep=True)
     set_grads(params, grads)
     with pytest.raises(error, match=match):
@@ -356,12 +363,7 @@ def _check_error(
             return
         fix, grads_after = after
         fix(opt)
-        ref = make_params(specs)
-        ref_opt = make_optimizer(optimizer, TORCH, ref, copy.deepcopy(kwargs))
-        for step, grads_k in enumerate(grads_before):
-            take_step(ref_opt, ref, grads_k, step)
-        if prepare is not None:
-            ref = prepare(ref_opt, ref)
+        ref_opt, ref = _stepped(TORCH, specs, kwargs, grads_before, optimizer, prepare)
         fix(ref_opt)
         loss = take_step(ref_opt, ref, grads_after, len(grads_before))
         mine = take_step(opt, params, grads_after, len(grads_before))

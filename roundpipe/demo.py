@@ -46,9 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 
 import numexpr
 import torch
@@ -57,6 +55,7 @@ from torch import nn
 
 from roundpipe import demo_eightbit, demo_mixed
 from roundpipe import optim as rp_optim
+from roundpipe.demo_common import max_abs_diff, table, train_rotating
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim.bench.engine import FallbackWatch, fast_engine
 from roundpipe.optim.bench.workloads import bits_mismatch
@@ -210,20 +209,6 @@ def one_step_check(make, model: nn.Module, opt, loop=torch_for_loop) -> tuple[fl
     return max_abs_diff(got_model, ref_model), bitwise, mismatch
 
 
-def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
-
-
-def table(header, rows) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def fmt(cells):
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
-
-    return "\n".join([fmt(header), "-+-".join("-" * w for w in widths), *map(fmt, rows)])
-
-
 def parse_args(argv=None):
     """``(args, kinds)``: the command line, and the optimizers it asks for (``optimizer_kinds``)."""
     parser = argparse.ArgumentParser(prog="python -m roundpipe.demo", description=__doc__.splitlines()[0])
@@ -329,37 +314,13 @@ def _print_header(args, default, sizes, size):
 
 
 def train(args, runs, kinds, data, gen, batch):
-    """Every copy's training steps, in rotating order, timed: the medians of the step and of the
-    forward+backward, the drift of each copy from the for-loop's, the one-step checks
+    """Every copy's training steps (``demo_common.train_rotating``): the medians of the step and
+    of the forward+backward, the drift of each copy from the for-loop's, the one-step checks
     (``one_step_check``) and the fallback warnings seen."""
     names = list(runs)
-    print(" | ".join(["step"] + [f"loss {n}" for n in names]))
-    step_s = {n: [] for n in names}
-    fwd_s = {n: [] for n in names}
-    losses: dict = {}
     with FallbackWatch() as watch:
-        for step in range(args.steps):
-            idx = torch.randint(0, data.shape[0], (batch,), generator=gen)
-            x, y = data[idx, :-1], data[idx, 1:]
-            for k in range(len(names)):
-                name = names[(step + k) % len(names)]  # rotate who goes first
-                model, opt = runs[name]
-                opt.zero_grad()
-                t0 = time.perf_counter()
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-                loss.backward()
-                t1 = time.perf_counter()
-                opt.step()
-                t2 = time.perf_counter()
-                fwd_s[name].append(t1 - t0)
-                step_s[name].append(t2 - t1)
-                losses[name] = loss.item()
-            if step % 5 == 0 or step == args.steps - 1:
-                print(" | ".join([f"{step:>4}"] + [f"{losses[n]:>{len(n) + 5}.5f}" for n in names]))
-
+        med_step, med_fwd = train_rotating(runs, data, gen, batch, args.steps)
         loop_model, loop_opt = runs[LOOP]
-        med_step = {n: statistics.median(step_s[n]) for n in names}
-        med_fwd = {n: statistics.median(fwd_s[n]) for n in names}
         drift = {n: max_abs_diff(runs[n][0], loop_model) for n in names}
         loop = kinds[LOOP]
         checks = {n: one_step_check(kinds[n], loop_model, loop_opt, loop) for n in names if n != LOOP}

@@ -2,8 +2,8 @@
 ``AdamW8bit`` beside torch's fused fp32 ``AdamW`` and, where it is installed, bitsandbytes'
 ``AdamW8bit`` (bitsandbytes is imported here only, inside a function: the demo runs without it).
 
-The copies start equal and train on the same batches (``demo.py``'s loop: the order rotates
-each step, forward+backward and ``step()`` timed apart). roundpipe's 8-bit step is bitsandbytes'
+The copies start equal and train on the same batches (``demo_common.py``'s loop, the demo's: the
+order rotates each step, forward+backward and ``step()`` timed apart). roundpipe's 8-bit step is bitsandbytes'
 CPU step bit for bit, so their copies see the same gradients and must stay equal: after every
 step each roundpipe copy's parameters are compared with bitsandbytes' bit for bit, and after the
 last step every state entry too (codes, absmax, codebooks, step); the first difference is
@@ -13,15 +13,13 @@ accuracy (how far its parameters end up) and in time.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from roundpipe import optim as rp_optim
+from roundpipe.demo_common import max_abs_diff, table, train_rotating
 from roundpipe.optim.bench.eightbit import state_bytes
 from roundpipe.optim.bench.workloads import bits_mismatch
 
@@ -54,7 +52,7 @@ def optimizer_kinds(chosen: str, hyper: dict, optimizer: str = "AdamW8bit") -> d
     return kinds
 
 
-def _params_mismatch(model, ref) -> str | None:
+def params_mismatch(model, ref) -> str | None:
     for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
         why = bits_mismatch(p.detach(), q.detach())
         if why:
@@ -62,7 +60,7 @@ def _params_mismatch(model, ref) -> str | None:
     return None
 
 
-def _state_mismatch(runs, name) -> str | None:
+def state_mismatch(runs, name) -> str | None:
     (model, opt), (ref_model, ref_opt) = runs[name], runs[BNB]
     for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters(), strict=True)):
         ours, theirs = opt.state[p], ref_opt.state[q]
@@ -76,50 +74,28 @@ def _state_mismatch(runs, name) -> str | None:
 
 
 def train(args, runs, data, gen, batch):
-    """Every copy's steps in rotating order, timed; after each step, each roundpipe copy's
+    """Every copy's steps (``demo_common.train_rotating``); after each step, each roundpipe copy's
     parameters against bitsandbytes'. Returns the medians of step and forward+backward, and per
     roundpipe copy the first mismatch (``(step, what)``) or None."""
-    names = list(runs)
-    ours = [n for n in names if n.startswith("roundpipe ")]
-    step_s, fwd_s = {n: [] for n in names}, {n: [] for n in names}
+    ours = [n for n in runs if n.startswith("roundpipe ")]
     first: dict = dict.fromkeys(ours)
-    print(" | ".join(["step"] + [f"loss {n}" for n in names]))
-    losses: dict = {}
-    for step in range(args.steps):
-        idx = torch.randint(0, data.shape[0], (batch,), generator=gen)
-        x, y = data[idx, :-1], data[idx, 1:]
-        for k in range(len(names)):
-            name = names[(step + k) % len(names)]  # rotate who goes first
-            model, opt = runs[name]
-            opt.zero_grad()
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            t1 = time.perf_counter()
-            opt.step()
-            fwd_s[name].append(t1 - t0)
-            step_s[name].append(time.perf_counter() - t1)
-            losses[name] = loss.item()
-        if BNB in runs:
-            for n in ours:
-                why = None if first[n] else _params_mismatch(runs[n][0], runs[BNB][0])
-                if why:
-                    first[n] = (step + 1, why)
-        if step % 5 == 0 or step == args.steps - 1:
-            print(" | ".join([f"{step:>4}"] + [f"{losses[n]:>{len(n) + 5}.5f}" for n in names]))
+
+    def check(step):
+        for n in ours:
+            why = None if first[n] else params_mismatch(runs[n][0], runs[BNB][0])
+            if why:
+                first[n] = (step + 1, why)
+
+    med_step, med_fwd = train_rotating(runs, data, gen, batch, args.steps, check if BNB in runs else None)
     for n in ours:
         if BNB in runs and first[n] is None:
-            why = _state_mismatch(runs, n)
+            why = state_mismatch(runs, n)
             first[n] = (args.steps, why) if why else None
-    med_step = {n: statistics.median(step_s[n]) for n in names}
-    med_fwd = {n: statistics.median(fwd_s[n]) for n in names}
     return med_step, med_fwd, first
 
 
 def run(args, runs, data, gen, batch) -> int:
     """The 8-bit demo after ``demo.main``'s header: train, then the table and the verdicts."""
-    from roundpipe.demo import max_abs_diff, table
-
     opt = args.optimizer
     med_step, med_fwd, first = train(args, runs, data, gen, batch)
     names = list(runs)

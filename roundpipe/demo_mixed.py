@@ -218,7 +218,7 @@ def run(args, model, data, gen, hyper, batch, backend) -> int:
         for k in range(len(names)):
             name = names[(step + k) % len(names)]
             m, runner = copies[name]
-            t = _train_step(m, runner, data, idx, widen)
+            t = train_step(m, runner, data, idx, widen)
             phase_s[name].append(t)
             losses[name] = runner.loss
         if step % 5 == 0 or step == args.steps - 1:
@@ -235,7 +235,7 @@ def run(args, model, data, gen, hyper, batch, backend) -> int:
     theirs = start
     replay = _Composition(theirs, hyper, scaled, fused=False, norms=copies[ROUNDPIPE][1].norms)
     for idx in batches:
-        _train_step(theirs, replay, data, idx, widen)
+        train_step(theirs, replay, data, idx, widen)
     ours = copies[ROUNDPIPE][0]
     equal = all(
         torch.equal(p.view(torch.int16), q.view(torch.int16))
@@ -257,7 +257,7 @@ def run(args, model, data, gen, hyper, batch, backend) -> int:
     return 1
 
 
-def _train_step(model, runner, data, idx, widen) -> float:
+def train_step(model, runner, data, idx, widen) -> float:
     """Forward and backward on the batch ``idx`` (in float32 if ``widen``), then the runner's
     optimizer phase; returns the phase's seconds (the loss is left on ``runner.loss``)."""
     x, y = data[idx, :-1], data[idx, 1:]

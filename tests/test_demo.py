@@ -107,7 +107,7 @@ def test_mixed_float32_compute_leaves_16_bit_gradients(dtype):
         def phase(self):
             pass
 
-    demo_mixed._train_step(model, Runner(), data, torch.arange(2), widen=True)
+    demo_mixed.train_step(model, Runner(), data, torch.arange(2), widen=True)
     x, y = data[:, :-1], data[:, 1:]
     torch.nn.functional.cross_entropy(wide(x).flatten(0, 1), y.flatten()).backward()
     for p, q in zip(model.parameters(), wide.parameters(), strict=True):
@@ -176,7 +176,7 @@ def test_demo_adamw8bit_is_bitsandbytes_bit_for_bit(capsys):
 @pytest.mark.skipif(not _bnb_importable(), reason="bitsandbytes cannot be imported here")
 def test_demo_adamw8bit_reports_a_mismatch(capsys, monkeypatch):
     """A difference from bitsandbytes is named, with its step, and the exit status is 1."""
-    monkeypatch.setattr(demo_eightbit, "_params_mismatch", lambda a, b: "parameter 0 (512, 64): made up")
+    monkeypatch.setattr(demo_eightbit, "params_mismatch", lambda a, b: "parameter 0 (512, 64): made up")
     assert demo.main(["--small", "--steps", "2", "--optimizer", "AdamW8bit"]) == 1
     captured = capsys.readouterr()
     assert "roundpipe fast: NOT bit for bit bitsandbytes' AdamW8bit (from step 1)" in captured.out

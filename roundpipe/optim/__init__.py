@@ -21,7 +21,8 @@ Where things live:
 * the step plan (what a step needs, checked cheaply every step) and the step on it
   (``plan/launches.py``): ``roundpipe/optim/plan/`` (its design: ``docs/step-plan.md``);
 * the API: ``roundpipe/optim/optimizer.py``; the public classes: ``roundpipe/optim/optimizers.py``,
-  and bitsandbytes' 8-bit family (``Adam8bit`` ..., math in ``spec/eightbit.py``): ``eightbit.py``;
+  and bitsandbytes' 8-bit family (``Adam8bit`` ..., math in ``spec/eightbit.py``): ``eightbit.py``,
+  bitsandbytes' per-parameter config (``GlobalOptimManager``): ``overrides.py``;
   loss scaling and clipping: ``roundpipe/optim/amp.py``; masters and partners:
   ``roundpipe/optim/masters.py``.
 """
@@ -58,6 +59,7 @@ from .optimizers import (
     RMSprop,
     Rprop,
 )
+from .overrides import GlobalOptimManager
 from .threads import get_num_threads, set_num_threads
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "AdamW",
     "AdamW8bit",
     "Adamax",
+    "GlobalOptimManager",
     "GradScaler",
     "LAMB8bit",
     "LARS8bit",

@@ -3,23 +3,39 @@ errors, state and ``state_dict``, stepping as bitsandbytes 0.50's CPU step does,
 (the math: ``spec/eightbit.py``). bitsandbytes is never imported: switching is a change of
 import, and a checkpoint loads both ways.
 
+Each class is one class statement over its entry of the registry ``EIGHTBIT_SPECS``
+(``spec/eightbit_classes.py``), as the torch family's are over ``SPECS``: ``Optimizer8bit``
+installs at class creation the ``__init__`` that runs, bitsandbytes' signature from the entry
+plus the keyword-only ``backend``. The ``__init__`` declared under ``TYPE_CHECKING`` is that
+signature written out for type checkers, unannotated where bitsandbytes' is (all but
+AdEMAMix's); it never runs (``tests/public_api/test_typing.py`` holds it against the one that
+does). A ``Paged`` class declares none: type checkers see its base's.
+
+Per-parameter config from bitsandbytes' ``GlobalOptimManager`` (or roundpipe's, for a process
+without bitsandbytes) is honoured as bitsandbytes' CPU step honours it (``overrides.py``).
 What they leave out, each raising a clear error where bitsandbytes would accept it: bfloat16 and
-float16 parameters (use ``fp32_masters``: float32 masters with 8-bit state), ``args=``, and
-per-parameter overrides from bitsandbytes' ``GlobalOptimManager``. ``LAMB8bit`` and ``LARS8bit``
-refuse: bitsandbytes' CPU step leaves out their trust ratio (docs/contract.md).
+float16 parameters (use ``fp32_masters``: float32 masters with 8-bit state), ``args=``, and a
+config's ``max_unorm``. ``LAMB8bit`` and ``LARS8bit`` refuse: bitsandbytes' CPU step leaves out
+their trust ratio (docs/contract.md).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import backends
+from . import backends, overrides
 from .optimizer import RoundpipeOptimizer
-from .spec.eightbit import EIGHTBIT_SPECS, MIN_8BIT_SIZE
+from .spec import EIGHTBIT_SPECS
+from .spec.eightbit_classes import REFUSED
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = [
     "Adam8bit",
@@ -46,36 +62,40 @@ _QUANT_KEYS = frozenset(
 )
 
 
-def _check_hyperparameters(lr, eps, betas, weight_decay):
-    # bitsandbytes' Optimizer1State / Optimizer2State checks, in its order and words
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    for i in range(len(betas)):
-        if not 0.0 <= betas[i] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-
-
 class Optimizer8bit(RoundpipeOptimizer):
     """Base of the 8-bit family: bitsandbytes' ``Optimizer8bit`` contract on roundpipe's step."""
 
-    def _setup(self, params, defaults, args, min_8bit_size, backend, paged=False):
-        if args is not None:
+    def __init_subclass__(cls, **kwargs):
+        # not RoundpipeOptimizer's hook, which installs a torch class's __init__: a class of the
+        # registry gets bitsandbytes' (its spec's); a subclass without a spec keeps its base's
+        super(RoundpipeOptimizer, cls).__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__ and "__init__" not in cls.__dict__:
+            cls.__init__ = _make_init(cls)  # type: ignore[method-assign]
+
+    def _setup(self, arguments: dict, defaults: dict, paged: bool) -> None:
+        if arguments.get("args") is not None:
             raise ValueError(
                 f"roundpipe.optim.{type(self).__name__}: args= is not supported; pass min_8bit_size "
                 "(and the hyperparameters) as arguments"
             )
-        self._roundpipe_backend = backends.resolve(backend)
-        self.min_8bit_size = int(min_8bit_size)
-        torch.optim.Optimizer.__init__(self, params, {**defaults, "min_8bit_size": self.min_8bit_size})
+        self._roundpipe_backend = backends.resolve(arguments["backend"])
+        self.min_8bit_size = int(arguments["min_8bit_size"])
+        defaults = {**defaults, "min_8bit_size": self.min_8bit_size}
+        torch.optim.Optimizer.__init__(self, arguments["params"], defaults)
+        overrides.bind(self)
         if paged:
             warnings.warn(
                 "Paged optimizers are not supported on CPU. Falling back to non-paged optimizer behavior.",
                 stacklevel=3,
             )
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "min_8bit_size": self.min_8bit_size}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "spec" not in self.__dict__:  # unpickled: the per-parameter config read anew
+            overrides.bind(self)
 
     def state_dict(self):
         """torch's ``state_dict`` with bitsandbytes' layout: the quantization entries of each
@@ -114,362 +134,228 @@ class Optimizer8bit(RoundpipeOptimizer):
             group.setdefault("min_8bit_size", self.min_8bit_size)
 
 
-def _spec(name):
-    return EIGHTBIT_SPECS[name]
+def _make_init(cls):
+    """bitsandbytes' ``__init__`` of ``cls.spec`` (its parameters, checks and defaults) plus the
+    keyword-only ``backend``."""
+    spec = cls.spec
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters = [inspect.Parameter("self", kind), inspect.Parameter("params", kind)]
+    parameters += [inspect.Parameter(name, kind, default=default) for name, default in spec.parameters]
+    backend = inspect.Parameter(
+        "backend", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None"
+    )
+    signature = inspect.Signature([*parameters, backend])
+
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        self._setup(arguments, spec.construct(spec.name, arguments), spec.paged)
+
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    __init__.__qualname__ = f"{cls.__name__}.__init__"
+    return __init__
 
 
 class Adam8bit(Optimizer8bit):
     """bitsandbytes' ``Adam8bit`` (decoupled weight decay, as its CPU step applies it)."""
 
-    spec = _spec("Adam8bit")
+    spec = EIGHTBIT_SPECS["Adam8bit"]
 
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0,
-        amsgrad=False,
-        optim_bits=32,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        is_paged=False,
-        *,
-        backend=None,
-    ):
-        name = type(self).__name__
-        if amsgrad:
-            raise ValueError(f"{name} does not support amsgrad=True")
-        if optim_bits != 32:
-            raise ValueError(f"{name} only supports optim_bits=32 (default value for compatibility)")
-        _check_hyperparameters(lr, eps, betas, weight_decay)
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, alpha=0.0, t_alpha=None, t_beta3=None
-        )
-        self._setup(params, defaults, args, min_8bit_size, backend, paged=is_paged)
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params,
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0,
+            amsgrad=False,
+            optim_bits=32,
+            args=None,
+            min_8bit_size=4096,
+            is_paged=False,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
 
 
 class AdamW8bit(Adam8bit):
     """bitsandbytes' ``AdamW8bit``: ``Adam8bit`` with ``weight_decay=1e-2``."""
 
-    spec = _spec("AdamW8bit")
+    spec = EIGHTBIT_SPECS["AdamW8bit"]
 
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
-        amsgrad=False,
-        optim_bits=32,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        is_paged=False,
-        *,
-        backend=None,
-    ):
-        super().__init__(
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
             params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            optim_bits,
-            args,
-            min_8bit_size,
-            is_paged,
-            backend=backend,
-        )
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=1e-2,
+            amsgrad=False,
+            optim_bits=32,
+            args=None,
+            min_8bit_size=4096,
+            is_paged=False,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
 
 
 class PagedAdam8bit(Adam8bit):
     """bitsandbytes' ``PagedAdam8bit``: on the CPU, ``Adam8bit`` (it warns, as bitsandbytes does)."""
 
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0,
-        amsgrad=False,
-        optim_bits=32,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        is_paged=False,
-        *,
-        backend=None,
-    ):
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            optim_bits,
-            args,
-            min_8bit_size,
-            True,
-            backend=backend,
-        )
+    spec = EIGHTBIT_SPECS["PagedAdam8bit"]
 
 
 class PagedAdamW8bit(AdamW8bit):
     """bitsandbytes' ``PagedAdamW8bit``: on the CPU, ``AdamW8bit`` (it warns, as bitsandbytes does)."""
 
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
-        amsgrad=False,
-        optim_bits=32,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        *,
-        backend=None,
-    ):
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            optim_bits,
-            args,
-            min_8bit_size,
-            True,
-            backend=backend,
-        )
+    spec = EIGHTBIT_SPECS["PagedAdamW8bit"]
 
 
 class Lion8bit(Optimizer8bit):
     """bitsandbytes' ``Lion8bit``."""
 
-    spec = _spec("Lion8bit")
+    spec = EIGHTBIT_SPECS["Lion8bit"]
 
-    def __init__(
-        self,
-        params,
-        lr=1e-4,
-        betas=(0.9, 0.99),
-        weight_decay=0,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        is_paged=False,
-        *,
-        backend=None,
-    ):
-        _check_hyperparameters(lr, 0.0, betas, weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=0.0, weight_decay=weight_decay)
-        self._setup(params, defaults, args, min_8bit_size, backend, paged=is_paged)
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params,
+            lr=1e-4,
+            betas=(0.9, 0.99),
+            weight_decay=0,
+            args=None,
+            min_8bit_size=4096,
+            is_paged=False,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
 
 
 class PagedLion8bit(Lion8bit):
     """bitsandbytes' ``PagedLion8bit``: on the CPU, ``Lion8bit`` (it warns, as bitsandbytes does)."""
 
-    def __init__(
-        self,
-        params,
-        lr=1e-4,
-        betas=(0.9, 0.99),
-        weight_decay=0,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        *,
-        backend=None,
-    ):
-        super().__init__(params, lr, betas, weight_decay, args, min_8bit_size, True, backend=backend)
+    spec = EIGHTBIT_SPECS["PagedLion8bit"]
 
 
 class SGD8bit(Optimizer8bit):
     """bitsandbytes' ``SGD8bit`` (momentum SGD). Its step reads neither ``dampening`` nor
     ``nesterov``: other values than the defaults raise here instead of being ignored."""
 
-    spec = _spec("SGD8bit")
+    spec = EIGHTBIT_SPECS["SGD8bit"]
 
-    def __init__(
-        self,
-        params,
-        lr,
-        momentum=0,
-        dampening=0,
-        weight_decay=0,
-        nesterov=False,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        *,
-        backend=None,
-    ):
-        if momentum == 0:
-            raise NotImplementedError("SGD without momentum is not supported!")
-        _check_hyperparameters(lr, 0.0, (momentum, dampening), weight_decay)
-        if dampening != 0 or nesterov:
-            raise ValueError(
-                f"roundpipe.optim.SGD8bit: dampening={dampening!r}, nesterov={nesterov!r}: bitsandbytes' "
-                "8-bit momentum step applies neither (it would silently step as dampening=0, "
-                "nesterov=False); use those values, or torch.optim.SGD"
-            )
-        defaults = dict(lr=lr, betas=(momentum, dampening), eps=0.0, weight_decay=weight_decay)
-        self._setup(params, defaults, args, min_8bit_size, backend)
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params,
+            lr,
+            momentum=0,
+            dampening=0,
+            weight_decay=0,
+            nesterov=False,
+            args=None,
+            min_8bit_size=4096,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
 
 
 class RMSprop8bit(Optimizer8bit):
     """bitsandbytes' ``RMSprop8bit``. Its step reads no ``momentum``: a non-zero one raises here
     instead of being ignored."""
 
-    spec = _spec("RMSprop8bit")
+    spec = EIGHTBIT_SPECS["RMSprop8bit"]
 
-    def __init__(
-        self,
-        params,
-        lr=1e-2,
-        alpha=0.99,
-        eps=1e-8,
-        weight_decay=0,
-        momentum=0,
-        centered=False,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        *,
-        backend=None,
-    ):
-        if alpha == 0:
-            raise NotImplementedError("RMSprop with alpha==0.0 is not supported!")
-        if centered:
-            raise NotImplementedError("Centered RMSprop is not supported!")
-        _check_hyperparameters(lr, eps, (alpha, momentum), weight_decay)
-        if momentum != 0:
-            raise ValueError(
-                f"roundpipe.optim.RMSprop8bit: momentum={momentum!r}: bitsandbytes' RMSprop step "
-                "applies no momentum (it would silently step as momentum=0); use momentum=0, or "
-                "torch.optim.RMSprop"
-            )
-        defaults = dict(lr=lr, betas=(alpha, momentum), eps=eps, weight_decay=weight_decay)
-        self._setup(params, defaults, args, min_8bit_size, backend)
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params,
+            lr=1e-2,
+            alpha=0.99,
+            eps=1e-8,
+            weight_decay=0,
+            momentum=0,
+            centered=False,
+            args=None,
+            min_8bit_size=4096,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
 
 
 class Adagrad8bit(Optimizer8bit):
     """bitsandbytes' ``Adagrad8bit``."""
 
-    spec = _spec("Adagrad8bit")
+    spec = EIGHTBIT_SPECS["Adagrad8bit"]
 
-    def __init__(
-        self,
-        params,
-        lr=1e-2,
-        lr_decay=0,
-        weight_decay=0,
-        initial_accumulator_value=0,
-        eps=1e-10,
-        optim_bits=8,
-        args=None,
-        min_8bit_size=MIN_8BIT_SIZE,
-        *,
-        backend=None,
-    ):
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if initial_accumulator_value != 0.0:
-            raise ValueError("Initial accumulator value != 0.0 not supported!")
-        if lr_decay != 0.0:
-            raise ValueError("Lr Decay != 0.0 not supported!")
-        if optim_bits != 8:
-            raise ValueError("Adagrad8bit only supports optim_bits=8 (default value for compatibility)")
-        defaults = dict(lr=lr, betas=(0.0, 0.0), eps=eps, weight_decay=weight_decay)
-        self._setup(params, defaults, args, min_8bit_size, backend)
+    if TYPE_CHECKING:
 
-
-class _Refused(torch.optim.Optimizer):
-    """A bitsandbytes 8-bit class whose CPU step roundpipe does not reproduce: constructing one
-    raises, naming why and what to use."""
-
-    reason = ""
-
-    def __init__(self, params, *args, backend=None, **kwargs):
-        raise NotImplementedError(f"roundpipe.optim.{type(self).__name__}: {self.reason}")
-
-
-class LAMB8bit(_Refused):
-    reason = (
-        "bitsandbytes' CPU step of LAMB8bit applies no trust ratio (it steps exactly as Adam8bit), "
-        "so it is not LAMB; roundpipe refuses rather than copy that. Use roundpipe.optim.Adam8bit "
-        "for what that step computes."
-    )
-
-
-class LARS8bit(_Refused):
-    reason = (
-        "bitsandbytes' CPU step of LARS8bit applies no trust ratio (it steps exactly as SGD8bit), "
-        "so it is not LARS; roundpipe refuses rather than copy that. Use roundpipe.optim.SGD8bit "
-        "for what that step computes."
-    )
+        def __init__(
+            self,
+            params,
+            lr=1e-2,
+            lr_decay=0,
+            weight_decay=0,
+            initial_accumulator_value=0,
+            eps=1e-10,
+            optim_bits=8,
+            args=None,
+            min_8bit_size=4096,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
 
 
 class AdEMAMix8bit(Optimizer8bit):
     """bitsandbytes' ``AdEMAMix8bit``: a fast and a slow first moment (``state1``, two halves)."""
 
-    spec = _spec("AdEMAMix8bit")
+    spec = EIGHTBIT_SPECS["AdEMAMix8bit"]
 
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999, 0.9999),
-        alpha=5.0,
-        t_alpha=None,
-        t_beta3=None,
-        eps=1e-8,
-        weight_decay=1e-2,
-        min_8bit_size=MIN_8BIT_SIZE,
-        is_paged=False,
-        *,
-        backend=None,
-    ):
-        _check_hyperparameters(lr, eps, betas, weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        defaults.update(alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3)
-        self._setup(params, defaults, None, min_8bit_size, backend, paged=is_paged)
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            params: ParamsT,
+            lr: float = 1e-3,
+            betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
+            alpha: float = 5.0,
+            t_alpha: int | None = None,
+            t_beta3: int | None = None,
+            eps: float = 1e-8,
+            weight_decay: float = 1e-2,
+            min_8bit_size: int = 4096,
+            is_paged: bool = False,
+            *,
+            backend: str | None = None,
+        ) -> None: ...
 
 
 class PagedAdEMAMix8bit(AdEMAMix8bit):
     """bitsandbytes' ``PagedAdEMAMix8bit``: on the CPU, ``AdEMAMix8bit`` (it warns, as bitsandbytes does)."""
 
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999, 0.9999),
-        alpha=5.0,
-        t_alpha=None,
-        t_beta3=None,
-        eps=1e-8,
-        weight_decay=1e-2,
-        min_8bit_size=MIN_8BIT_SIZE,
-        *,
-        backend=None,
-    ):
-        super().__init__(
-            params,
-            lr,
-            betas,
-            alpha,
-            t_alpha,
-            t_beta3,
-            eps,
-            weight_decay,
-            min_8bit_size,
-            True,
-            backend=backend,
-        )
+    spec = EIGHTBIT_SPECS["PagedAdEMAMix8bit"]
+
+
+class Refused8bit(torch.optim.Optimizer):
+    """A bitsandbytes 8-bit class whose CPU step roundpipe does not reproduce: constructing one
+    raises, naming why and what to use (``spec/eightbit_classes.py``'s ``REFUSED``)."""
+
+    def __init__(self, params, *args, backend=None, **kwargs):
+        name = type(self).__name__
+        raise NotImplementedError(f"roundpipe.optim.{name}: {REFUSED[name]}")
+
+
+class LAMB8bit(Refused8bit):
+    """bitsandbytes' ``LAMB8bit``: refused (its CPU step is Adam8bit's)."""
+
+
+class LARS8bit(Refused8bit):
+    """bitsandbytes' ``LARS8bit``: refused (its CPU step is SGD8bit's)."""

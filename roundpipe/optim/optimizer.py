@@ -45,7 +45,7 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.spec is None or "__init__" in cls.__dict__:
-            return  # (a class with an __init__ of its own: the 8-bit family, eightbit.py)
+            return  # (a class with an __init__ of its own; the 8-bit family has its own hook: eightbit.py)
         torch_cls = cls.spec.torch_class
         if not issubclass(cls, torch_cls):
             raise TypeError(f"{cls.__name__} must subclass {torch_cls.__name__}")

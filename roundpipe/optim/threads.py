@@ -52,6 +52,11 @@ def set_num_threads(n: int | None) -> None:
     _num_threads = n
 
 
+def num_threads_setting() -> int | None:
+    """What ``set_num_threads`` set (None: the default), to restore it later."""
+    return _num_threads
+
+
 def get_num_threads() -> int:
     """Threads an optimizer step uses: set_num_threads(), else the environment, else torch's."""
     if _num_threads is not None:

@@ -90,11 +90,11 @@ def test_traffic_is_derived_from_the_programs():
 def test_backend_names():
     assert bench.ALL_BACKENDS == ("fast", "fast:torch", "fast:numexpr", "reference")
     # all: every engine once, the default first, wherever it was named
-    assert bench._backends("reference,all") == ["fast", "reference", "fast:torch", "fast:numexpr"]
-    assert bench._backends("fast:numexpr,fast") == ["fast", "fast:numexpr"]
-    assert bench._backends("native") == ["fast:numba"]  # the old name of fast:numba
+    assert bench.parse_backends("reference,all") == ["fast", "reference", "fast:torch", "fast:numexpr"]
+    assert bench.parse_backends("fast:numexpr,fast") == ["fast", "fast:numexpr"]
+    assert bench.parse_backends("native") == ["fast:numba"]  # the old name of fast:numba
     with pytest.raises(Exception, match="unknown backend 'auto'"):
-        bench._backends("auto")
+        bench.parse_backends("auto")
     assert cli.parse_args([]).backends == ["fast"]
 
 

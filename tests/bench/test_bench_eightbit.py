@@ -144,7 +144,7 @@ def test_bytes_per_element_and_state_bytes():
 _CHILD = """
 import io, json, sys
 import torch
-from roundpipe.optim.bench import eightbit, eightbit_memory
+from roundpipe.optim.bench import eightbit_columns, eightbit_memory
 
 
 class Stepping:
@@ -157,7 +157,7 @@ class Stepping:
             del a, b
 
 
-eightbit.make = lambda config, name, params: Stepping()
+eightbit_columns.make = lambda config, name, params: Stepping()
 job = {"config": "x", "optimizer": "AdamW8bit", "shapes": [[4]], "threads": torch.get_num_threads()}
 sys.stdin = io.StringIO(json.dumps(job))
 eightbit_memory.child()

@@ -12,18 +12,24 @@ import pytest
 import torch
 
 import roundpipe.optim as ro
-from roundpipe.optim.spec import codebooks
+from roundpipe.optim.spec import EIGHTBIT_SPECS, codebooks
+from roundpipe.optim.spec.eightbit_classes import REFUSED
 
-NAMES = ["Adam8bit", "AdamW8bit", "Lion8bit", "SGD8bit", "RMSprop8bit", "Adagrad8bit"]
-NAMES += ["PagedAdam8bit", "PagedAdamW8bit", "PagedLion8bit", "AdEMAMix8bit", "PagedAdEMAMix8bit"]
+NAMES = list(EIGHTBIT_SPECS)  # the registry: every class roundpipe steps, the Paged ones too
 
 
-@pytest.mark.parametrize("name", NAMES + ["LAMB8bit", "LARS8bit"])
+def test_every_class_of_the_registry_is_public():
+    assert set(NAMES) | set(REFUSED) <= set(ro.__all__)
+    for name in NAMES:
+        assert getattr(ro, name).spec is EIGHTBIT_SPECS[name]
+
+
+@pytest.mark.parametrize("name", NAMES + list(REFUSED))
 def test_signature_is_bitsandbytes(name):
     bnb = pytest.importorskip("bitsandbytes")
     ours = inspect.signature(getattr(ro, name).__init__).parameters
     theirs = inspect.signature(getattr(bnb.optim, name).__init__).parameters
-    if name in ("LAMB8bit", "LARS8bit"):
+    if name in REFUSED:
         return  # refused at construction: the class exists so that the import works
     assert [p for p in ours if p != "backend"] == list(theirs)
     assert {k: p.default for k, p in ours.items() if k != "backend"} == {
@@ -53,6 +59,46 @@ def test_signature_is_bitsandbytes(name):
 def test_refused_at_construction(make, error, match):
     with pytest.raises(error, match=match):
         make([torch.zeros(4096, requires_grad=True)])
+
+
+BAD = [dict(lr=-1.0), dict(weight_decay=-0.5)]
+BAD_EPS = [dict(eps=-1e-8)]
+BAD_BY_CLASS = {
+    "Adam8bit": [dict(amsgrad=True), dict(optim_bits=8), dict(betas=(0.9, 1.5)), *BAD_EPS],
+    "Lion8bit": [dict(betas=(-0.1, 0.99))],
+    "SGD8bit": [dict(lr=0.1), dict(lr=-1.0, momentum=0.9), dict(lr=0.1, momentum=0.9, dampening=1.0)],
+    "RMSprop8bit": [dict(alpha=0), dict(centered=True), dict(alpha=1.0), *BAD_EPS],
+    "Adagrad8bit": [dict(initial_accumulator_value=0.1), dict(lr_decay=0.1), dict(optim_bits=32), *BAD_EPS],
+    "AdEMAMix8bit": [dict(betas=(0.9, 0.999, 1.0)), *BAD_EPS],
+}
+BAD_CASES = [
+    (name, kwargs)
+    for name in NAMES
+    for kwargs in BAD_BY_CLASS[name.removeprefix("Paged").replace("AdamW", "Adam")]
+    + (BAD if name != "SGD8bit" else [])
+]
+
+
+@pytest.mark.parametrize("name, kwargs", BAD_CASES, ids=[f"{n}-{k}" for n, k in BAD_CASES])
+def test_constructor_errors_are_bitsandbytes_word_for_word(name, kwargs):
+    bnb = pytest.importorskip("bitsandbytes")
+    errors = []
+    for cls in (getattr(ro, name), getattr(bnb.optim, name)):
+        with pytest.raises(Exception) as caught, warnings.catch_warnings():  # noqa: PT011 - compared below
+            warnings.simplefilter("ignore")
+            cls([torch.zeros(4096, requires_grad=True)], **kwargs)
+        errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1]
+
+
+def test_betas_as_a_string_as_bitsandbytes():
+    """bitsandbytes' two-state classes take ``betas='(0.9, 0.99)'`` and keep the parsed list."""
+    bnb = pytest.importorskip("bitsandbytes")
+    groups = [
+        cls([torch.zeros(8, requires_grad=True)], betas="(0.8, 0.95)").param_groups[0]
+        for cls in (ro.Adam8bit, bnb.optim.Adam8bit)
+    ]
+    assert groups[0]["betas"] == groups[1]["betas"] == [0.8, 0.95]
 
 
 def _stepped(opt_cls=ro.AdamW8bit, n=5000, **kwargs):
@@ -130,21 +176,6 @@ def test_state_bytes_per_parameter():
         v.numel() * v.element_size() for k, v in st.items() if torch.is_tensor(v) and "qmap" not in k
     )
     assert nbytes / p.numel() <= 2.05
-
-
-def test_global_optim_manager_overrides_are_refused():
-    bnb = pytest.importorskip("bitsandbytes")
-    p = torch.randn(5000, requires_grad=True)
-    manager = bnb.optim.GlobalOptimManager.get_instance()
-    manager.override_config(p, "lr", 0.5)
-    try:
-        opt = ro.AdamW8bit([p])
-        p.grad = torch.randn_like(p)
-        with pytest.raises(NotImplementedError, match="GlobalOptimManager"):
-            opt.step()
-        assert not opt.state
-    finally:
-        manager.initialize()
 
 
 def test_paged_classes_warn_once_as_bitsandbytes_does():

@@ -1,6 +1,7 @@
 """The public API as type checkers and editors see it: mypy on a user's script that uses every
-public name (``user_script.py``), the optimizers' declared ``__init__`` (``optimizers.py``)
-against the signature they run with, and ``py.typed``."""
+public name (``user_script.py``), the optimizers' declared ``__init__`` (``optimizers.py``, and
+``eightbit.py`` for bitsandbytes' 8-bit family) against the signature they run with, and
+``py.typed``."""
 
 import ast
 import inspect
@@ -13,10 +14,11 @@ import pytest
 
 import roundpipe
 import roundpipe.optim as ro
-from roundpipe.optim import optimizers
-from roundpipe.optim.spec import SPECS, STAGED_SPECS
+from roundpipe.optim import eightbit, optimizers
+from roundpipe.optim.spec import EIGHTBIT_SPECS, SPECS, STAGED_SPECS
 
-ALL_SPECS = {**SPECS, **STAGED_SPECS}  # every optimizer class (Muon where this torch has it)
+# every optimizer class (Muon where this torch has it), by the registry it is made from
+ALL_SPECS = {**SPECS, **STAGED_SPECS, **EIGHTBIT_SPECS}
 
 HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -54,7 +56,7 @@ def test_mypy_sees_every_public_name_with_its_type(tmp_path):
     errors = [line for line in lines if ": error:" in line]
     assert not errors and out.returncode == 0, out.stdout + out.stderr
     revealed = [line.split('Revealed type is "')[1].rstrip('"') for line in lines if "Revealed type" in line]
-    expected = REVEALED + [f"roundpipe.optim.optimizers.{name}" for name in ALL_SPECS]
+    expected = REVEALED + [f"{getattr(ro, name).__module__}.{name}" for name in ALL_SPECS]
     assert [r.replace("builtins.", "") for r in revealed] == [r.replace("builtins.", "") for r in expected]
 
 
@@ -76,10 +78,13 @@ def test_the_user_script_names_every_public_name():
 
 
 def _declared_init(name):
-    """The ``__init__`` declared for the type checker in ``optimizers.py`` for class ``name``."""
-    tree = ast.parse(inspect.getsource(optimizers))
+    """The ``__init__`` declared for the type checker for class ``name`` (in ``optimizers.py`` or
+    ``eightbit.py``), or where it declares none (a ``Paged`` 8-bit class), its base's."""
+    module = eightbit if name in EIGHTBIT_SPECS else optimizers
+    tree = ast.parse(inspect.getsource(module))
     cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
-    return next(n for n in ast.walk(cls) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    found = [n for n in ast.walk(cls) if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    return found[0] if found else _declared_init(cls.bases[0].id)
 
 
 def _declared_parameters(fn):
@@ -100,9 +105,10 @@ def _declared_parameters(fn):
 
 @pytest.mark.parametrize("name", sorted(ALL_SPECS))
 def test_declared_init_is_the_signature_it_runs_with(name):
-    """The declaration (torch 2.13's signature and ``backend``) names the same parameters, kinds
-    and defaults as the ``__init__`` the class runs with on the installed torch, except
-    parameters an older torch of the supported range lacks (declared, not accepted there)."""
+    """The declaration (torch 2.13's signature, or bitsandbytes 0.50's, and ``backend``) names the
+    same parameters, kinds and defaults as the ``__init__`` the class runs with on the installed
+    torch, except parameters an older torch of the supported range lacks (declared, not accepted
+    there) and the ``is_paged`` a ``Paged`` 8-bit class lacks (it declares its base's)."""
     runtime = [
         (p.name, p.kind, p.default)
         for p in list(inspect.signature(getattr(ro, name).__init__).parameters.values())[1:]

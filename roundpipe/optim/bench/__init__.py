@@ -118,7 +118,7 @@ probe, ``--busy`` workers, threads), ``report`` (tables, the summary, JSON, plot
 one-thread pass, ``main``).
 """
 
-from .cli import ALL_BACKENDS, _backends, _names, machine_meta, main, parse_args, run
+from .cli import ALL_BACKENDS, machine_meta, main, parse_args, parse_backends, parse_names, run
 from .engine import FallbackWatch, fast_engine
 from .report import configs_of, derived, failures_of, format_tables, report, to_json
 from .timing import Row, bench_one, busy, measure_bandwidth, set_threads, thread_pools, timed_step
@@ -162,8 +162,8 @@ __all__ = [
     "PerParam",
     "Row",
     "Workload",
-    "_backends",
-    "_names",
+    "parse_backends",
+    "parse_names",
     "bench_one",
     "busy",
     "bytes_per_element",

@@ -21,6 +21,7 @@ from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
 
 from . import eightbit, first_use, partners
+from .eightbit_columns import OPTIMIZERS as EIGHTBIT_OPTIMIZERS
 from .engine import FallbackWatch, fast_engine
 from .report import failures_of, plot, report, to_json
 from .timing import (
@@ -320,7 +321,7 @@ def bench_row(backends, name, fused, wl, base_params, base_grads, warmup, repeat
 # command line
 
 
-def _names(text: str, valid, what: str) -> list[str]:
+def parse_names(text: str, valid, what: str) -> list[str]:
     by_lower = {v.lower(): v for v in valid}
     out = []
     for item in text.split(","):
@@ -336,7 +337,7 @@ def _names(text: str, valid, what: str) -> list[str]:
     return out
 
 
-def _backends(text: str) -> list[str]:
+def parse_backends(text: str) -> list[str]:
     """``--backends``: names from ``backends.NAMES`` or ``all`` (``ALL_BACKENDS``), in order,
     without repeats, the default (``fast``) moved first; a deprecated alias (``native``) is
     accepted as the name it stands for, with a note."""
@@ -348,7 +349,7 @@ def _backends(text: str) -> list[str]:
             log(f"note: --backends {item} is the old name of {aliases[item.lower()]}")
             item = aliases[item.lower()]
         items.append(item)
-    names = _names(",".join(items), (*rp_backends.NAMES, "all"), "backend")
+    names = parse_names(",".join(items), (*rp_backends.NAMES, "all"), "backend")
     out = []
     for b in names:
         for one in ALL_BACKENDS if b == "all" else (b,):
@@ -416,9 +417,9 @@ def _parser():
     p.add_argument("--quick", action="store_true", help="a few minutes: fewer repetitions, smaller workloads")
     p.add_argument(
         "--optimizers",
-        type=lambda s: _names(s, (*ALL_OPTIMIZERS, *eightbit.OPTIMIZERS), "optimizer"),
+        type=lambda s: parse_names(s, (*ALL_OPTIMIZERS, *EIGHTBIT_OPTIMIZERS), "optimizer"),
         default=None,
-        help=f"comma-separated from {','.join(ALL_OPTIMIZERS + eightbit.OPTIMIZERS)}, e.g. Adam,SGD "
+        help=f"comma-separated from {','.join(ALL_OPTIMIZERS + EIGHTBIT_OPTIMIZERS)}, e.g. Adam,SGD "
         "(default: all but Muon, whose step is mostly torch's bfloat16 Newton-Schulz matmuls, and "
         "the 8-bit ones; with --partners: the elementwise ones, all but Adafactor and Muon); "
         "AdamW8bit: roundpipe's against torch's fused fp32 AdamW, bitsandbytes' and torchao's "
@@ -426,14 +427,14 @@ def _parser():
     )
     p.add_argument(
         "--workloads",
-        type=lambda s: _names(s, WORKLOAD_NAMES, "workload"),
+        type=lambda s: parse_names(s, WORKLOAD_NAMES, "workload"),
         default=None,
         help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: {','.join(WORKLOADS)}; "
         f"per_param = per_param_small,per_param_large; with --partners: {','.join(partners.WORKLOADS)})",
     )
     p.add_argument(
         "--backends",
-        type=_backends,
+        type=parse_backends,
         default=[rp_backends.DEFAULT],
         help=f"roundpipe backends to time, comma-separated from {','.join(rp_backends.NAMES)}, or all "
         f"(= {','.join(ALL_BACKENDS)}); default: {rp_backends.DEFAULT}",
@@ -509,7 +510,7 @@ def _parser():
 
 def _check_args(p, args):
     """What argparse cannot check alone: combinations and ranges (``p.error`` exits)."""
-    eight = [n for n in args.optimizers if n in eightbit.OPTIMIZERS]
+    eight = [n for n in args.optimizers if n in EIGHTBIT_OPTIMIZERS]
     if eight and (args.partners or args.first_use or args.plot):
         p.error(f"{', '.join(eight)}: timed in the normal mode, without --partners, --first-use or --plot")
     if args.partners:
@@ -566,7 +567,7 @@ def main(argv=None) -> int:
     if args.first_use:
         return main_first_use(args)
     args.load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    eight = [n for n in args.optimizers if n in eightbit.OPTIMIZERS]  # timed apart: eightbit.py
+    eight = [n for n in args.optimizers if n in EIGHTBIT_OPTIMIZERS]  # timed apart: eightbit.py
     args.optimizers = [n for n in args.optimizers if n not in eight]
     text, doc, failures = "", {}, []
     with _options(args.option):  # the report derives bytes per element from them too

@@ -4,9 +4,9 @@ torch's fused fp32 step, bitsandbytes' 8-bit CPU step and torchao's, in one run.
 Columns, for each workload: roundpipe's ``--backends`` (the default, ``fast``, first), ``torch
 fused`` (``torch.optim.AdamW(fused=True)``: fp32 state, what an 8-bit optimizer replaces),
 ``bitsandbytes`` (``bitsandbytes.optim.AdamW8bit`` on the CPU) and ``torchao``
-(``torchao.optim.AdamW8bit``). bitsandbytes and torchao are imported here only, inside
-functions: a column whose package is not installed says so, and the run goes on without it
-(roundpipe itself never imports either). Every configuration starts from the same seeded
+(``torchao.optim.AdamW8bit``), made by ``eightbit_columns`` (which alone imports bitsandbytes and
+torchao, inside functions): a column whose package is not installed says so, and the run goes on
+without it (roundpipe itself never imports either). Every configuration starts from the same seeded
 parameters and gradients and runs torch's, bitsandbytes' and torchao's defaults.
 
 Per column: the median step time (``timing``'s round robin), roundpipe's speedup against it,
@@ -22,26 +22,19 @@ from __future__ import annotations
 import gc
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from roundpipe import optim as rp_optim
 from roundpipe.optim.spec.eightbit import MIN_8BIT_SIZE
 
 from . import eightbit_memory
-from .report import _table, fmt_bytes, fmt_ms
-from .timing import Row, _round_robin, log, measure_bandwidth, summarize_bandwidth
+from .eightbit_columns import BNB, FUSED, THIRD_PARTY, TORCHAO, make, third_party
+from .report import fmt_bytes, fmt_ms, table_lines
+from .timing import Row, log, measure_bandwidth, round_robin, summarize_bandwidth
 from .workloads import PER_PARAM_PARTS, Workload, bits_mismatch, clone_params, make_workload
 from .workloads import workload_parts as _normal_parts
 
-# optimizer -> the torch.optim class with fp32 state it stands in for; bitsandbytes and torchao
-# name their 8-bit classes as roundpipe does
-TORCH_PARTNER = {"AdamW8bit": "AdamW", "Adam8bit": "Adam"}
-OPTIMIZERS = tuple(TORCH_PARTNER)
-FUSED, BNB, TORCHAO = "torch fused", "bitsandbytes", "torchao"
-THIRD_PARTY = {BNB: "bitsandbytes", TORCHAO: "torchao"}  # column -> the package it needs
 LARGE_NUMEL = 4 * 2**20  # ``large`` for these rows: 4 x 4M, quick or not (the issue's size)
 # torchao compiles its step once per distinct shape (torch.compile, dynamic=False): on a
 # workload of many shapes (``small``: about a thousand) that is minutes of compiling
@@ -64,42 +57,6 @@ def workload_parts(name: str, quick: bool) -> list[Workload]:
         desc = f"4 tensors of {LARGE_NUMEL // 2**20}M fp32 ({LARGE_NUMEL * 4 // 2**20} MiB each)"
         return [Workload("large", desc, ((LARGE_NUMEL,),) * 4)]
     return _normal_parts(name, quick)
-
-
-def _import(column: str):
-    """The module ``column`` steps with: ``bitsandbytes.optim`` or ``torchao.optim``."""
-    if column == BNB:
-        import bitsandbytes
-
-        return bitsandbytes.optim
-    import torchao.optim
-
-    return torchao.optim
-
-
-def third_party(column: str):
-    """``(module, None)`` where ``column``'s package imports, else ``(None, why)``."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _import(column), None
-    except ModuleNotFoundError:
-        return None, "not installed"
-    except Exception as e:  # noqa: BLE001 - a broken install: say so, time the rest
-        return None, f"cannot be imported: {type(e).__name__}: {e}"
-
-
-def make(config: str, name: str, params):
-    """The optimizer of column ``config`` (``rp <backend>``, ``torch fused``, ``bitsandbytes``,
-    ``torchao``) for 8-bit optimizer ``name`` over ``params``, with its library's defaults."""
-    if config == FUSED:
-        return getattr(torch.optim, TORCH_PARTNER[name])(params, fused=True)
-    if config in THIRD_PARTY:
-        module, why = third_party(config)
-        if module is None:
-            raise RuntimeError(f"{THIRD_PARTY[config]} {why}")
-        return getattr(module, name)(params)
-    return getattr(rp_optim, name)(params, backend=config.removeprefix("rp "))
 
 
 def step_bytes(config: str, shapes) -> float:
@@ -218,7 +175,7 @@ def bench_workload(name, backends, wl, warmup, repeats, threads, before=None) ->
         return made[config]
 
     row = Row(name, EIGHT_BIT_BYTES, (), (), numel, tensors=len(shapes))
-    _round_robin(row, name, timed, make_one, warmup, repeats, wl.name, before, None)
+    round_robin(row, name, timed, make_one, warmup, repeats, wl.name, before, None)
     for c in timed:
         col = columns[c]
         col.error = row.errors.get(c)
@@ -328,7 +285,7 @@ def format_row(row: EightRow, backends, gbps: float) -> list[str]:
             if col.peak_note:
                 notes.append(f"  {name}: no peak: {col.peak_note}")
         lines.append([name, *cells])
-    return _table(head, lines) + notes
+    return table_lines(head, lines) + notes
 
 
 def check_text(row: EightRow) -> str:

@@ -1,6 +1,6 @@
-"""The peak memory a steady-state step adds, for the 8-bit rows (``eightbit``): each column in a
-fresh subprocess, so that one column's allocations (and its library's import) cannot hide or
-inflate another's.
+"""The peak memory a steady-state step adds, for the 8-bit rows (``eightbit``, which imports this
+module): each column in a fresh subprocess (which makes its optimizer with ``eightbit_columns``),
+so that one column's allocations (and its library's import) cannot hide or inflate another's.
 
 The child builds the workload's tensors and the optimizer, takes ``WARMUP`` steps (state
 created, torchao's step compiled), then for each of ``STEPS`` steps: resident memory before
@@ -87,7 +87,7 @@ def child() -> None:
 
     import torch
 
-    from .eightbit import make
+    from . import eightbit_columns
     from .workloads import Workload, clone_params, make_workload
 
     job = json.load(sys.stdin)
@@ -95,7 +95,7 @@ def child() -> None:
     warnings.simplefilter("ignore")
     wl = Workload("memory", "", tuple(tuple(s) for s in job["shapes"]))
     params = clone_params(*make_workload(wl))
-    opt = make(job["config"], job["optimizer"], params)
+    opt = eightbit_columns.make(job["config"], job["optimizer"], params)
     for _ in range(WARMUP):
         opt.step()
     extra = []

@@ -167,13 +167,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    from roundpipe.optim.bench import _backends, _names
+    from roundpipe.optim.bench import parse_backends, parse_names
     from roundpipe.optim.spec import SPECS
 
     try:
-        args.optimizers = _names(args.optimizers, tuple(SPECS), "optimizer")
-        args.workloads = _names(args.workloads, tuple(WORKLOADS), "workload")
-        backends = _backends(args.backends)  # native: fast:numba's old name; all: every engine
+        args.optimizers = parse_names(args.optimizers, tuple(SPECS), "optimizer")
+        args.workloads = parse_names(args.workloads, tuple(WORKLOADS), "workload")
+        backends = parse_backends(args.backends)  # native: fast:numba's old name; all: every engine
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
     engines = [*backends, TORCH]

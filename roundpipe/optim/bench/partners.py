@@ -36,8 +36,8 @@ from roundpipe.optim import GradScaler
 from roundpipe.optim import backends as rp_backends
 from roundpipe.optim.masters import fp32_masters, unpair
 
-from .report import _table, fmt_ms, header, row_json
-from .report import to_json as _to_json
+from .report import fmt_ms, header, row_json, table_lines
+from .report import to_json as report_json
 from .timing import Row, bench_one, log
 from .traffic import partner_bytes
 from .workloads import FUSED, LOOP, label, make_optimizer, state_mismatch
@@ -211,7 +211,7 @@ def format_table(wl: str, res: dict, meta: dict) -> str:
             f"workload {wl}: {res['description']}; {res['tensors']} tensors, {res['numel']:,} elements",
             f"median ms per step, fp32 masters with {dtype} partners{_amp_words(meta)} "
             "(speedup: composition / fused; traffic: composition / fused B/elem):",
-            *_table([*head, "traffic"], lines),
+            *table_lines([*head, "traffic"], lines),
             f"bit for bit, fused vs composition after {STEPS_CHECKED} steps "
             f"(masters, {dtype} partners, every state tensor"
             + ("; the relative difference of the norm" if meta.get("amp") else "")
@@ -262,4 +262,4 @@ def failures_of(result: dict) -> list[str]:
 
 def to_json(result: dict) -> dict:
     """``report.to_json`` with this mode's rows: configurations by their names, ``derived``."""
-    return _to_json(result, None, lambda row: {**row_json(row, str), **derived(row, result["meta"])})
+    return report_json(result, None, lambda row: {**row_json(row, str), **derived(row, result["meta"])})

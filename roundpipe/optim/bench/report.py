@@ -65,7 +65,7 @@ def fmt_bytes(v):
     return "n/a" if v is None else str(v) if v == int(v) else f"{v:.2f}"
 
 
-def _table(header, lines, left: int = 1) -> list[str]:
+def table_lines(header, lines, left: int = 1) -> list[str]:
     """The lines of a table: its first ``left`` columns (names) flush left, the rest right."""
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
 
@@ -108,7 +108,7 @@ def format_tables(wl: str, res: dict, backends, gbps: float) -> str:
         f"workload {wl}: {res['description']}; {res['tensors']} tensors, {res['numel']:,} elements",
         *[f"  {name}: {note}" for name, note in res.get("notes", {}).items()],
         "median ms per step" + (f" ({res['tensors']} step() calls each):" if per_param else ":"),
-        *_table(["optimizer", "B/elem", "state B/el", "bw-bound"] + [label(c) for c in configs], times),
+        *table_lines(["optimizer", "B/elem", "state B/el", "bw-bound"] + [label(c) for c in configs], times),
     ]
     sections = []
     if per_param:
@@ -135,7 +135,7 @@ def format_tables(wl: str, res: dict, backends, gbps: float) -> str:
             if key != "speedup_vs_fused" or FUSED in row.median_ms
         ]
         if lines:
-            out += ["", title, *_table(["optimizer"] + [label(c) for c in columns], lines)]
+            out += ["", title, *table_lines(["optimizer"] + [label(c) for c in columns], lines)]
     split = _split_lines(rows, ds, configs)
     if split:
         title = (
@@ -143,7 +143,7 @@ def format_tables(wl: str, res: dict, backends, gbps: float) -> str:
             "the rest of the step (roundpipe's elementwise passes, or torch's ops); medians, ms:"
         )
         head = ["optimizer", "column", "step", "Newton-Schulz", "rest", "rest vs for-loop", "% bw (rest)"]
-        out += ["", title, *_table(head, split)]
+        out += ["", title, *table_lines(head, split)]
     return "\n".join(out)
 
 
@@ -384,7 +384,7 @@ def format_summary(result: dict) -> str:
         )
     else:
         out.append(f"no one-thread column: {meta.get('one_thread_skipped')}")
-    out += _table(head, lines, left=3)
+    out += table_lines(head, lines, left=3)
     if errors:
         out += ["errors (no ratio):", *errors]
     return "\n".join(out)

@@ -43,7 +43,7 @@ def one_thread():
     of a ``torchrun`` launch (which sets ``OMP_NUM_THREADS=1``): torch's intra-op pool,
     numexpr's, and roundpipe's step (``set_num_threads(1)``, over ``ROUNDPIPE_OPTIM_NUM_THREADS``
     too); yields the counts each then reports, and restores all three on exit."""
-    torch_before, rp_before = torch.get_num_threads(), rp_threads._num_threads  # the user's setting
+    torch_before, rp_before = torch.get_num_threads(), rp_threads.num_threads_setting()
     torch.set_num_threads(1)
     numexpr_before = numexpr.set_num_threads(1)  # returns the previous count
     rp_threads.set_num_threads(1)
@@ -159,11 +159,11 @@ def bench_one(
     row = Row(name, *nbytes, numel, tensors=len(base_params), per_param=per_param)
     callout = CallTimer(*CALLOUTS[name]) if name in CALLOUTS else contextlib.nullcontext()
     with callout:
-        _round_robin(row, name, configs, make, warmup, repeats, wl, before, callout)
+        round_robin(row, name, configs, make, warmup, repeats, wl, before, callout)
     return row
 
 
-def _round_robin(row, name, configs, make, warmup, repeats, wl, before, callout):
+def round_robin(row, name, configs, make, warmup, repeats, wl, before, callout):
     live = {}
     for config in configs:
         try:

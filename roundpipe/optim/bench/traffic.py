@@ -99,7 +99,7 @@ def staged_bytes(name: str, shape) -> tuple[int, tuple[tuple[tuple[str, ...], tu
     Each pass (``spec/staged.py``) is a sweep over the parameter's full-size tensors: its
     ``traffic`` (a tensor used before it is assigned is read once, an assigned one written
     once) at 4 bytes an element (2 for Muon's bfloat16 scratch, ``NARROW_BYTES``), summed over
-    the passes. Broadcast inputs (Adafactor's row and column statistics, ``Program.shapes``) are
+    the passes. Broadcast inputs (Adafactor's row and column statistics, ``Program.kinds``) are
     left out: ``m + n`` elements against ``m * n``; so are the ``Between`` stages' torch ops
     (on those statistics, or Muon's Newton-Schulz matmuls). An Adafactor matrix: param + grad
     (norms), grad (the update's norm), grad + param read and param written: 24 bytes.
@@ -113,7 +113,7 @@ def staged_bytes(name: str, shape) -> tuple[int, tuple[tuple[tuple[str, ...], tu
         if not isinstance(stage, Pass):
             continue
         program = stage.program
-        broadcast = dict(program.shapes)
+        broadcast = dict(program.kinds)
         read, written = (tuple(n for n in names if n not in broadcast) for names in traffic(program))
         passes.append((read, written))
         total += sum(NARROW_BYTES.get((name, n), ELEMENT_BYTES) for n in (*read, *written))

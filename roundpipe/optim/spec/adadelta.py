@@ -2,9 +2,9 @@
 
 import torch
 
-from .blocks import add_on_complex, gradient
-from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
+from .core import OptimizerSpec, zero_step, zeros_like
 from .ir import addcmul, sqrt
+from .shared import add_on_complex, average_scalars, gradient
 
 
 def init_state(group, p, state):
@@ -23,16 +23,7 @@ def inputs(o):
 
 
 def scalars(group, state):
-    lr = to_scalar(group["lr"])
-    rho = group["rho"]
-    state["step"] += 1
-    return {
-        "weight_decay": group["weight_decay"],
-        "rho": rho,
-        "one_minus_rho": 1 - rho,
-        "eps": group["eps"],
-        "neg_lr": -lr,
-    }
+    return average_scalars(group, state, "rho")
 
 
 def statements(o, b):

@@ -94,7 +94,7 @@ def _update(o, b):
     return b.let("update", rsqrt(clamp_min(var_estimate, s.eps1_sq)) * grad)
 
 
-_SHAPES = {"row_factor": "rows", "col_factor": "cols", "row_scale": "matrices"}
+_KINDS = {"row_factor": "rows", "col_factor": "cols", "row_scale": "matrices"}
 
 
 def _inputs(o):
@@ -147,15 +147,15 @@ def _step_size(ctx):
 
 
 def build_stages(o):
-    inputs, shapes = _inputs(o), _SHAPES if o.factored else None
-    last = Pass(program({**o, "writes": True}, inputs, _step_statements, shapes))
+    inputs, kinds = _inputs(o), _KINDS if o.factored else None
+    last = Pass(program({**o, "writes": True}, inputs, _step_statements, kinds))
     if not o.factored:
         return (Pass(program(o, inputs, _measure_statements)), Between(_alpha), Between(_step_size), last)
     return (
         Pass(program(o, ["param", "grad"], _measure_statements)),
         Between(_factors),
         Between(_alpha),
-        Pass(program(o, inputs, _update_norm_statements, shapes)),
+        Pass(program(o, inputs, _update_norm_statements, kinds)),
         Between(_step_size),
         last,
     )

@@ -6,9 +6,9 @@ in a way that bypasses it, as torch's ``_init_group`` does.
 
 import torch
 
-from .blocks import gradient
 from .core import OptimizerSpec, advance_step, to_scalar, zero_step
 from .ir import addcdiv, addcmul, sqrt
+from .shared import gradient
 
 
 def init_state(group, p, state):

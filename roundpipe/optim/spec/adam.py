@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from . import blocks
+from . import shared
 from .core import OptimizerSpec, advance_step, to_scalar, zero_step, zeros_like
 from .ir import addcdiv, maximum, sqrt
 
@@ -20,7 +20,7 @@ from .ir import addcdiv, maximum, sqrt
 def init_state(group, p, state):
     if len(state) == 0:
         state["step"] = zero_step()
-        blocks.moment_state(p, state)
+        shared.moment_state(p, state)
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = zeros_like(p)
 
@@ -32,12 +32,12 @@ _GROUPS_DECOUPLE = "decoupled_weight_decay" in inspect.signature(torch.optim.Ada
 
 def options(group):
     decoupled = None if _GROUPS_DECOUPLE else False
-    return {**blocks.decay_options(group, decoupled), "amsgrad": group["amsgrad"]}
+    return {**shared.decay_options(group, decoupled), "amsgrad": group["amsgrad"]}
 
 
 def adamw_options(group):
     decoupled = None if _GROUPS_DECOUPLE else True
-    return {**blocks.decay_options(group, decoupled), "amsgrad": group["amsgrad"]}
+    return {**shared.decay_options(group, decoupled), "amsgrad": group["amsgrad"]}
 
 
 def scalars(group, state):
@@ -48,8 +48,8 @@ def scalars(group, state):
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     return {
-        **blocks.weight_decay_scalars(group, lr),
-        **blocks.moment_scalars(beta1, beta2),
+        **shared.weight_decay_scalars(group, lr),
+        **shared.moment_scalars(beta1, beta2),
         "bias_correction2_sqrt": bias_correction2**0.5,
         "eps": group["eps"],
         "neg_step_size": -step_size,
@@ -81,18 +81,18 @@ def low_precision_scalars(group, values, dtype, zero_dim):
     elif zero_dim:
         return values
     else:
-        weight = blocks.in_dtype(values["one_minus_beta1"], dtype)
+        weight = shared.in_dtype(values["one_minus_beta1"], dtype)
     return {**values, "one_minus_beta1": weight}
 
 
 def inputs(o):
-    return [*blocks.MOMENT_INPUTS] + (["max_exp_avg_sq"] if o.amsgrad else [])
+    return [*shared.MOMENT_INPUTS] + (["max_exp_avg_sq"] if o.amsgrad else [])
 
 
 def statements(o, b):
     s, param = b.s, b.tensor("param")
-    grad = blocks.gradient(o, b)
-    exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
+    grad = shared.gradient(o, b)
+    exp_avg, exp_avg_sq = shared.adam_moments(b, grad)
     second_moment = exp_avg_sq
     if o.amsgrad:
         second_moment = b.assign(b.tensor("max_exp_avg_sq"), maximum(b.tensor("max_exp_avg_sq"), exp_avg_sq))

@@ -6,10 +6,10 @@ propagates from either side as in torch.
 
 import torch
 
-from . import blocks
-from .blocks import gradient
+from . import shared
 from .core import OptimizerSpec, advance_step, to_scalar, zero_step, zeros_like
 from .ir import abs_, addcdiv, lerp, maximum
+from .shared import gradient
 
 
 def init_state(group, p, state):
@@ -59,7 +59,7 @@ ADAMAX = OptimizerSpec(
     inputs,
     scalars,
     statements,
-    low_precision_scalars=blocks.tensor_weight_scalars("one_minus_beta1", "betas", 0),
+    low_precision_scalars=shared.tensor_weight_scalars("one_minus_beta1", "betas", 0),
     rich_kwargs=dict(lr=0.01, weight_decay=0.1),
     fidelity_kwargs=dict(lr=1e-2),
 )

@@ -8,9 +8,9 @@ between averaging into ``ax`` and copying the parameter.
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from .blocks import gradient
 from .core import OptimizerSpec, set_value, to_scalar, value, zeros_like
 from .ir import add
+from .shared import gradient
 
 
 def init_state(group, p, state):
@@ -56,10 +56,7 @@ def statements(o, b):
     grad = gradient(o, b, complex_decay=False)
     b.assign(param, param * s.decay)
     b.assign(param, add(param, grad, alpha=s.neg_eta))
-    if o.average:
-        b.assign(ax, ax + (param - ax) * s.mu)
-    else:
-        b.assign(ax, param)
+    b.assign(ax, ax + (param - ax) * s.mu if o.average else param)  # (torch copies param into ax)
 
 
 ASGD = OptimizerSpec(

@@ -125,11 +125,11 @@ class OptimizerSpec(SpecBase):
         return build_program(o, self.inputs(o), self.statements)
 
 
-def build_program(o, inputs, statements, shapes=None) -> Program:
-    """``statements(o, b)`` on a builder over ``inputs`` (``shapes``: its broadcast inputs), after
+def build_program(o, inputs, statements, kinds=None) -> Program:
+    """``statements(o, b)`` on a builder over ``inputs`` (``kinds``: those of a kind), after
     the gradient factors of the options (``gradient_factors``), validated."""
     o = Options(dict(o))
-    b = ProgramBuilder(inputs, shapes)
+    b = ProgramBuilder(inputs, kinds)
     gradient_factors(b, o.get("grad_factors", 0))
     statements(o, b)
     return b.build()

@@ -3,33 +3,45 @@
 
 A parameter of at least ``min_8bit_size`` elements (a param-group key, 4096 by default) keeps
 its state in 8 bits (``codebooks.py``): ``state1`` (and ``state2``) one byte per element, with
-``absmax1`` (``absmax2``) per block of 256 and the codebooks ``qmap1`` (``qmap2``). Its step
+``absmax1`` (``absmax2``) per quantization block of 256 and the codebooks ``qmap1`` (``qmap2``),
+unless bitsandbytes' per-parameter config says ``optim_bits=32``. Its step
 (``_optimizer_update_8bit_blockwise_cpu``) dequantizes the state, updates it and the parameter
 with torch ops in float32, and quantizes it back. A smaller parameter keeps float32 ``state1``
 (``state2``) and takes bitsandbytes' 32-bit update (``_optimizer_update_32bit_cpu``), whose
 formulas differ. Which one a parameter takes is read from its state, as bitsandbytes reads it.
 ``step`` is a Python int, bitsandbytes' counter.
 
-Each optimizer is its two programs (8-bit, 32-bit) over ``param``, ``grad`` and the state, and
+Each update rule is its two programs (8-bit, 32-bit) over ``param``, ``grad`` and the state, and
 its scalars, each written as the bitsandbytes source writes it: ``grad`` is ``g.float() *
-gnorm_scale`` (1.0), every Python float is rounded to float32 inside its op.
+gnorm_scale`` (1.0), every Python float is rounded to float32 inside its op. ``STEPS`` holds one
+``StagedSpec`` per rule; ``eightbit_classes.py`` makes bitsandbytes' classes of them.
+
+bitsandbytes' per-parameter config (its ``GlobalOptimManager``: ``roundpipe/optim/overrides.py``)
+reaches a spec in two ways. What it reads when it creates a parameter's state (``optim_bits``,
+``min_8bit_size``) comes in the group ``init_state`` is given. The hyperparameters it reads every
+step come as the option ``hyper``: ``(key, value)`` pairs over the group's; a ``Between`` stage
+then recomputes that parameter's scalars with them (``t``, this step's count, is among the
+scalars for that). Without an override a parameter's stages are the group's.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from .codebooks import blocks_of, dynamic_map
-from .ir import add, addcdiv, addcmul, dequantize, sign, sqrt
+from .core import Scratch
+from .ir import QUANTIZED_KINDS, add, addcdiv, addcmul, dequantize, sign, sqrt
 from .staged import Between, Pass, StagedSpec, program
 
-__all__ = ["EIGHTBIT_SPECS", "EightBit", "MIN_8BIT_SIZE"]
+__all__ = ["STEPS", "EightBit", "MIN_8BIT_SIZE", "OPTIM_BITS", "HYPERPARAMETERS"]
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep 32-bit state
+OPTIM_BITS = 8  # what every 8-bit class passes bitsandbytes' base class; a config may say 32
+# the config keys bitsandbytes' update_step reads every step, where the group has them
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "alpha", "t_alpha", "t_beta3")
 _CODEBOOKS: dict = {}
 
 
@@ -55,11 +67,20 @@ class EightBit:
 
 
 # -- the state ------------------------------------------------------------------------------------
+def eight_bit(group, p) -> bool:
+    """Whether a parameter's new state is 8-bit: bitsandbytes' ``init_state`` on ``group`` (the
+    param group, with the parameter's config where one overrides it)."""
+    bits = group.get("optim_bits", OPTIM_BITS)
+    if bits not in (8, 32):
+        raise NotImplementedError(f"Amount of optimizer bits not supported: {bits}")
+    return bits == 8 and p.numel() >= group.get("min_8bit_size", MIN_8BIT_SIZE)
+
+
 def _init_state(rule: EightBit):
     def init_state(group, p, state):
         if len(state) == 0:
+            eight = eight_bit(group, p)
             state["step"] = 0
-            eight = p.numel() >= group.get("min_8bit_size", MIN_8BIT_SIZE)
             for k in range(1, rule.n_states + 1):
                 state[f"state{k}"] = torch.zeros_like(p, dtype=torch.uint8 if eight else torch.float32)
                 if eight:
@@ -83,12 +104,12 @@ def state_options(state) -> dict:
 
 def state_names(rule: EightBit):
     def names(o, p):
-        shapes = {f"state{k}": (p.shape, torch.uint8 if o.eight else torch.float32) for k in _ks(rule)}
+        entries = {f"state{k}": (p.shape, torch.uint8 if o.eight else torch.float32) for k in _ks(rule)}
         if o.eight:
             for k in _ks(rule):
-                shapes[f"qmap{k}"] = ((256,), torch.float32)
-                shapes[f"absmax{k}"] = ((blocks_of(p.numel()),), torch.float32)
-        return shapes
+                entries[f"qmap{k}"] = ((256,), torch.float32)
+                entries[f"absmax{k}"] = ((blocks_of(p.numel()),), torch.float32)
+        return entries
 
     return names
 
@@ -97,11 +118,8 @@ def _ks(rule):
     return range(1, rule.n_states + 1)
 
 
-def _options(rule: EightBit):
-    def options(group, p):
-        return {"weight_decay": group["weight_decay"] > 0.0}
-
-    return options
+def options(group, p):
+    return {"weight_decay": group["weight_decay"] > 0.0}
 
 
 # -- the programs ---------------------------------------------------------------------------------
@@ -109,17 +127,35 @@ def _build_stages(rule: EightBit):
     def build_stages(o):
         ks = _ks(rule)
         if o.eight:
-            inputs = ["param", "grad", *(f"{n}{k}" for k in ks for n in ("state", "absmax", "qmap"))]
-            kinds = {f"{n}{k}": kind for k in ks for n, kind in zip(_Q_NAMES, _Q_KINDS, strict=True)}
-            return (Pass(program(o, inputs, _eight(rule), kinds)),)
-        inputs = ["param", "grad", *(f"state{k}" for k in ks)]
-        return (Pass(program(o, inputs, _thirty_two(rule))),)
+            inputs = ["param", "grad", *(f"{n}{k}" for k in ks for n in _Q_NAMES)]
+            kinds = {f"{n}{k}": kind for k in ks for n, kind in zip(_Q_NAMES, QUANTIZED_KINDS, strict=True)}
+            stages = (Pass(program(o, inputs, _eight(rule), kinds)),)
+        else:
+            inputs = ["param", "grad", *(f"state{k}" for k in ks)]
+            stages = (Pass(program(o, inputs, _thirty_two(rule))),)
+        return with_hyperparameters(o, stages, _scalars(rule))
 
     return build_stages
 
 
-_Q_NAMES = ("state", "absmax", "qmap")
-_Q_KINDS = ("codes", "blocks", "codebook")
+_Q_NAMES = ("state", "absmax", "qmap")  # an 8-bit state's entries, in QUANTIZED_KINDS' order
+
+
+def with_hyperparameters(o, stages, scalars) -> tuple:
+    """``stages`` after a ``Between`` that recomputes the scalars with the option ``hyper`` (a
+    parameter's config over the group's hyperparameters), where it has one."""
+    hyper = o.get("hyper")
+    if not hyper:
+        return stages
+    return (Between(_rescaled(dict(hyper), scalars)), *stages)
+
+
+def _rescaled(hyper, scalars):
+    def between(ctx):
+        # this step's scalars anew from the same step count: the plan advanced it already
+        ctx.update(scalars({**ctx["group"], **hyper}, {"step": Scratch(ctx["t"] - 1, int)}))
+
+    return between
 
 
 def _eight(rule):
@@ -308,6 +344,7 @@ def _scalars(rule: EightBit):
         lr, wd = group["lr"], group["weight_decay"]
         return {
             **rule.scalars(group, state, step),
+            "t": step,
             "gnorm_scale": 1.0,
             "weight_decay": wd,
             "decay": 1.0 - lr * wd,
@@ -316,30 +353,15 @@ def _scalars(rule: EightBit):
     return scalars
 
 
-def check_group(group) -> None:
-    """Raise if bitsandbytes' ``GlobalOptimManager`` (where bitsandbytes is imported) overrides the
-    config of a parameter of ``group``: bitsandbytes' step would honour it, this one cannot see it."""
-    module = sys.modules.get("bitsandbytes.optim.optimizer")
-    manager = getattr(getattr(module, "GlobalOptimManager", None), "_instance", None)
-    if manager is None or not (manager.pid2config or manager.module_weight_config_triple):
-        return
-    if manager.module_weight_config_triple or {id(p) for p in group["params"]} & set(manager.pid2config):
-        raise NotImplementedError(
-            "roundpipe.optim: bitsandbytes' GlobalOptimManager overrides the config of parameters; "
-            "roundpipe's 8-bit optimizers do not read it: put them in a param group of their own instead"
-        )
-
-
-def _spec(name: str, rule: EightBit) -> StagedSpec:
+def _spec(rule: EightBit) -> StagedSpec:
     return StagedSpec(
-        name,
+        rule.name,
         torch.optim.Optimizer,
         _init_state(rule),
-        _options(rule),
+        options,
         state_names(rule),
         _scalars(rule),
         _build_stages(rule),
-        check_group=check_group,
         state_options=state_options,
         int_state=("step",),
         rich_kwargs=dict(lr=1e-2, weight_decay=0.1),
@@ -352,8 +374,8 @@ def _spec(name: str, rule: EightBit) -> StagedSpec:
 # Between stage names the halves (views: the last pass writes them in place).
 def _ademamix_init_state(group, p, state):
     if len(state) == 0:
+        eight = eight_bit(group, p)
         state["step"] = 0
-        eight = p.numel() >= group.get("min_8bit_size", MIN_8BIT_SIZE)
         if eight:
             n = blocks_of(p.numel())
             state["qmap1"], state["qmap2"] = _codebook(signed=True), _codebook(signed=False)
@@ -366,12 +388,12 @@ def _ademamix_init_state(group, p, state):
 
 def _ademamix_state_names(o, p):
     dtype = torch.uint8 if o.eight else torch.float32
-    shapes = {"state1": ((2, *p.shape), dtype), "state2": (p.shape, dtype)}
+    entries = {"state1": ((2, *p.shape), dtype), "state2": (p.shape, dtype)}
     if o.eight:
         n = blocks_of(p.numel())
-        shapes.update(qmap1=((256,), torch.float32), qmap2=((256,), torch.float32))
-        shapes.update(absmax1=((2, n), torch.float32), absmax2=((n,), torch.float32))
-    return shapes
+        entries.update(qmap1=((256,), torch.float32), qmap2=((256,), torch.float32))
+        entries.update(absmax1=((2, n), torch.float32), absmax2=((n,), torch.float32))
+    return entries
 
 
 def _halves(ctx):
@@ -389,16 +411,23 @@ def _ademamix_update(b, grad, m1, m2, nu, assign):
     return m1, m2, nu, b.let("update", mixed / adaptive)
 
 
+# the 8-bit moments: each (codes, absmax, codebook), in QUANTIZED_KINDS' order
+_ADEMAMIX_QUANTIZED = (
+    ("state1_fast", "absmax1_fast", "qmap1"),
+    ("state1_slow", "absmax1_slow", "qmap1"),
+    ("state2", "absmax2", "qmap2"),
+)
+
+
 def _ademamix_statements(o, b):
     grad = b.let("grad", b.tensor("grad") * b.s.gnorm_scale)
     param = b.tensor("param")
     if o.eight:
-        q = [("state1_fast", "absmax1_fast", "qmap1"), ("state1_slow", "absmax1_slow", "qmap1")]
-        q.append(("state2", "absmax2", "qmap2"))
+        q = _ADEMAMIX_QUANTIZED
         values = [b.let(f"s{k}", dequantize(*(b.tensor(n) for n in names))) for k, names in enumerate(q)]
         m1, m2, nu, update = _ademamix_update(b, grad, *values, lambda t, name, e: b.let(name, e))
     else:
-        q = []
+        q = ()
         states = [b.tensor(n) for n in ("state1_fast", "state1_slow", "state2")]
         m1, m2, nu, update = _ademamix_update(b, grad, *states, lambda t, name, e: b.assign(t, e))
     _decay(o, b)
@@ -409,26 +438,13 @@ def _ademamix_statements(o, b):
 
 def _ademamix_stages(o):
     if o.eight:
-        names = (
-            "state1_fast",
-            "state1_slow",
-            "absmax1_fast",
-            "absmax1_slow",
-            "qmap1",
-            "state2",
-            "absmax2",
-            "qmap2",
-        )
-        kinds = dict(
-            zip(
-                names,
-                ("codes", "codes", "blocks", "blocks", "codebook", "codes", "blocks", "codebook"),
-                strict=True,
-            )
-        )
+        kinds = {n: k for names in _ADEMAMIX_QUANTIZED for n, k in zip(names, QUANTIZED_KINDS, strict=True)}
+        names = ("state1_fast", "state1_slow", "absmax1_fast", "absmax1_slow", "qmap1", "state2", "absmax2")
+        names += ("qmap2",)  # (the programs' tensor order of before, which the compiled kernels key)
     else:
         names, kinds = ("state1_fast", "state1_slow", "state2"), None
-    return (Between(_halves), Pass(program(o, ["param", "grad", *names], _ademamix_statements, kinds)))
+    stages = (Between(_halves), Pass(program(o, ["param", "grad", *names], _ademamix_statements, kinds)))
+    return with_hyperparameters(o, stages, _ademamix_scalars)
 
 
 def _ademamix_scalars(group, state):
@@ -448,6 +464,7 @@ def _ademamix_scalars(group, state):
             )
     lr, wd = group["lr"], group["weight_decay"]
     return {
+        "t": step,
         "gnorm_scale": 1.0,
         "beta1": beta1,
         "beta2": beta2,
@@ -464,32 +481,19 @@ def _ademamix_scalars(group, state):
     }
 
 
-def _ademamix_spec() -> StagedSpec:
-    return StagedSpec(
-        "AdEMAMix8bit",
-        torch.optim.Optimizer,
-        _ademamix_init_state,
-        lambda group, p: {"weight_decay": group["weight_decay"] > 0.0},
-        _ademamix_state_names,
-        _ademamix_scalars,
-        _ademamix_stages,
-        check_group=check_group,
-        state_options=state_options,
-        int_state=("step",),
-        rich_kwargs=dict(lr=1e-2, weight_decay=0.1),
-        fidelity_kwargs={},
-    )
+ADEMAMIX = StagedSpec(
+    "ademamix",
+    torch.optim.Optimizer,
+    _ademamix_init_state,
+    options,
+    _ademamix_state_names,
+    _ademamix_scalars,
+    _ademamix_stages,
+    state_options=state_options,
+    int_state=("step",),
+    rich_kwargs=dict(lr=1e-2, weight_decay=0.1),
+    fidelity_kwargs={},
+)
 
-
-EIGHTBIT_SPECS = {
-    name: _spec(name, RULES[rule])
-    for name, rule in (
-        ("Adam8bit", "adam"),
-        ("AdamW8bit", "adam"),
-        ("Lion8bit", "lion"),
-        ("SGD8bit", "momentum"),
-        ("RMSprop8bit", "rmsprop"),
-        ("Adagrad8bit", "adagrad"),
-    )
-}
-EIGHTBIT_SPECS["AdEMAMix8bit"] = _ademamix_spec()
+# one step spec per update rule, named as bitsandbytes' kernels name it
+STEPS = {**{name: _spec(rule) for name, rule in RULES.items()}, "ademamix": ADEMAMIX}

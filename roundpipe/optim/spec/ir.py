@@ -16,7 +16,7 @@ parameter, its gradient and its state tensors. Three kinds of statement exist:
   each as one byte per element (its ``codes`` input) and the block's largest magnitude (its
   ``blocks`` input), by a ``codebook``; ``dequantize(codes, blocks, codebook)`` reads one back.
 
-An input may be *broadcast* (``Program.shapes``): a factor of a matrix (``rows``, shape
+An input may be *broadcast* (its kind in ``Program.kinds``): a factor of a matrix (``rows``, shape
 ``(..., m, 1)``; ``cols``, ``(..., 1, n)``; ``matrices``, ``(..., 1, 1)``) read at each element
 of the ``(..., m, n)`` parameter as torch's broadcasting reads it. Broadcast inputs are read-only.
 An 8-bit state's inputs have kinds of their own: ``codes`` (uint8, the parameter's elements),
@@ -342,7 +342,13 @@ class Program:
     scalars: tuple
     targets: tuple
     reductions: tuple = ()  # the names of its ``norm`` statements, in order
-    shapes: tuple = ()  # (input, broadcast kind) of its broadcast inputs
+    kinds: tuple = ()  # (input, kind) of its inputs of a kind: broadcast or quantized
+
+    @property
+    def shapes(self) -> tuple:
+        """``kinds``, by the name the numba engine still reads (an input's kind is not a
+        tensor shape; the engine moves to ``kinds`` with its next change)."""
+        return self.kinds
 
     @property
     def blockwise(self) -> bool:
@@ -354,7 +360,7 @@ class Program:
         # the statement trees each time was a sizeable part of a small step: docs/benchmarks.md)
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.statements, self.tensors, self.scalars, self.targets, self.shapes))
+            h = hash((self.statements, self.tensors, self.scalars, self.targets, self.kinds))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -401,9 +407,9 @@ class ProgramBuilder:
     the state entries the optimizer keeps. ``grad`` is read-only (torch never writes p.grad).
     """
 
-    def __init__(self, inputs, shapes=None):
+    def __init__(self, inputs, kinds=None):
         self.inputs = tuple(inputs)
-        self.shapes = dict(shapes or {})
+        self.kinds = dict(kinds or {})
         self.statements: list = []
         self.s = _ScalarNamespace()
         self._lets: dict[str, int] = {}
@@ -444,7 +450,7 @@ class ProgramBuilder:
         return name
 
     def build(self) -> Program:
-        return validate(self.statements, self.inputs, self.shapes)
+        return validate(self.statements, self.inputs, self.kinds)
 
 
 def _check_conditions(expr, st, as_value):
@@ -459,11 +465,11 @@ def _check_conditions(expr, st, as_value):
             _check_conditions(a, st, not (expr.fn == "where" and i == 0))
 
 
-def validate(statements, inputs, shapes=None) -> Program:
+def validate(statements, inputs, kinds=None) -> Program:
     """Check a statement list and derive the program's interface."""
     inputs = tuple(inputs)
-    shapes = dict(shapes or {})
-    for name, kind in shapes.items():
+    kinds = dict(kinds or {})
+    for name, kind in kinds.items():
         if name not in inputs or kind not in (*BROADCAST_KINDS, *QUANTIZED_KINDS):
             raise ValueError(
                 f"input {name!r}: not an input, or kind {kind!r} not in {BROADCAST_KINDS + QUANTIZED_KINDS}"
@@ -479,7 +485,7 @@ def validate(statements, inputs, shapes=None) -> Program:
         _check_conditions(expr, st, as_value=True)
         if not expr.is_tensor():
             raise ValueError(f"statement {st} computes a scalar: do scalar math in scalars()")
-        _check_quantized(expr, shapes, st)
+        _check_quantized(expr, kinds, st)
         for node in walk(expr):
             if isinstance(node, Tensor):
                 if node.name not in defined:
@@ -521,39 +527,39 @@ def validate(statements, inputs, shapes=None) -> Program:
                 raise ValueError(f"norm {st.name!r}: dim {st.dim!r} not in {REDUCE_DIMS}, or a name reused")
             reductions.append(st.name)
         elif isinstance(st, (Assign, Quantize)):
-            written = _written(st, inputs, shapes)
+            written = _written(st, inputs, kinds)
             read = (st.codebook,) if isinstance(st, Quantize) else ()
             used_tensors += [n for n in (*read, *written) if n not in used_tensors]
             targets += [n for n in written if n not in targets]
         else:
             raise TypeError(f"unknown statement {st!r}")
     order = [n for n in inputs if n in used_tensors]
-    used_shapes = tuple((n, shapes[n]) for n in order if n in shapes)
+    used_kinds = tuple((n, kinds[n]) for n in order if n in kinds)
     return Program(
-        tuple(statements), tuple(order), tuple(scalars), tuple(targets), tuple(reductions), used_shapes
+        tuple(statements), tuple(order), tuple(scalars), tuple(targets), tuple(reductions), used_kinds
     )
 
 
-def _written(st, inputs, shapes) -> tuple:
+def _written(st, inputs, kinds) -> tuple:
     """The inputs an ``assign`` or ``quantize`` writes, checked."""
     if isinstance(st, Assign):
-        if st.target not in inputs or st.target == "grad" or st.target in shapes:
+        if st.target not in inputs or st.target == "grad" or st.target in kinds:
             raise ValueError(f"cannot assign to {st.target!r}: not a writable input")
         return (st.target,)
     named = (st.codes, st.blocks, st.codebook)
-    if tuple(shapes.get(n) for n in named) != QUANTIZED_KINDS:
+    if tuple(kinds.get(n) for n in named) != QUANTIZED_KINDS:
         raise ValueError(f"quantize into {named}: needs inputs of kinds {QUANTIZED_KINDS}")
     return (st.codes, st.blocks)
 
 
-def _check_quantized(expr, shapes, st) -> None:
+def _check_quantized(expr, kinds, st) -> None:
     """An 8-bit state's inputs appear only as ``dequantize``'s arguments, in its order."""
     if isinstance(expr, Call) and expr.fn == "dequantize":
-        kinds = tuple(shapes.get(a.name) if isinstance(a, Tensor) else None for a in expr.args)
-        if kinds != QUANTIZED_KINDS:
+        found = tuple(kinds.get(a.name) if isinstance(a, Tensor) else None for a in expr.args)
+        if found != QUANTIZED_KINDS:
             raise ValueError(f"dequantize needs inputs of kinds {QUANTIZED_KINDS} in {st}")
         return
-    if isinstance(expr, Tensor) and shapes.get(expr.name) in QUANTIZED_KINDS:
-        raise ValueError(f"{expr.name!r} ({shapes[expr.name]}) read outside dequantize in {st}")
+    if isinstance(expr, Tensor) and kinds.get(expr.name) in QUANTIZED_KINDS:
+        raise ValueError(f"{expr.name!r} ({kinds[expr.name]}) read outside dequantize in {st}")
     for child in (expr.a, expr.b) if isinstance(expr, Bin) else getattr(expr, "args", ()):
-        _check_quantized(child, shapes, st)
+        _check_quantized(child, kinds, st)

@@ -6,7 +6,7 @@ torch does; the two ``addcdiv`` coefficients are computed from its float32 value
 
 import torch
 
-from . import blocks
+from . import shared
 from .core import OptimizerSpec, advance_step, to_scalar, value, zero_step
 from .ir import addcdiv, sqrt
 
@@ -15,14 +15,10 @@ def init_state(group, p, state):
     if len(state) == 0:
         state["step"] = zero_step()
         state["mu_product"] = torch.tensor(1.0, dtype=zero_step().dtype)
-        blocks.moment_state(p, state)
+        shared.moment_state(p, state)
 
 
-options = blocks.decay_options
-
-
-def inputs(o):
-    return list(blocks.MOMENT_INPUTS)
+options, inputs = shared.decay_options, shared.moment_inputs  # the Adam family's, without AMSGrad
 
 
 def scalars(group, state):
@@ -37,8 +33,8 @@ def scalars(group, state):
     mu_product *= mu
     mu_product_next = value(mu_product) * mu_next
     return {
-        **blocks.weight_decay_scalars(group, lr),
-        **blocks.moment_scalars(beta1, beta2),
+        **shared.weight_decay_scalars(group, lr),
+        **shared.moment_scalars(beta1, beta2),
         "bias_correction2": bias_correction2,
         "eps": group["eps"],
         "grad_coef": -lr * (1.0 - mu) / (1.0 - value(mu_product)),
@@ -48,8 +44,8 @@ def scalars(group, state):
 
 def statements(o, b):
     s, param = b.s, b.tensor("param")
-    grad = blocks.gradient(o, b, complex_decay=False)
-    exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
+    grad = shared.gradient(o, b, complex_decay=False)
+    exp_avg, exp_avg_sq = shared.adam_moments(b, grad)
     denom = b.let("denom", sqrt(exp_avg_sq / s.bias_correction2) + s.eps)
     b.assign(param, addcdiv(param, grad, denom, value=s.grad_coef))
     b.assign(param, addcdiv(param, exp_avg, denom, value=s.exp_avg_coef))
@@ -64,7 +60,7 @@ NADAM = OptimizerSpec(
     scalars,
     statements,
     scalar_state=("step", "mu_product"),
-    low_precision_scalars=blocks.tensor_weight_scalars("one_minus_beta1", "betas", 0),
+    low_precision_scalars=shared.tensor_weight_scalars("one_minus_beta1", "betas", 0),
     rich_kwargs=dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
     fidelity_kwargs=dict(lr=1e-2),
 )

@@ -6,7 +6,7 @@ program, as torch's Python ``if`` does.
 
 import torch
 
-from . import blocks
+from . import shared
 from .core import OptimizerSpec, advance_step, to_scalar, zero_step
 from .ir import add, sqrt
 
@@ -14,14 +14,10 @@ from .ir import add, sqrt
 def init_state(group, p, state):
     if len(state) == 0:
         state["step"] = zero_step()
-        blocks.moment_state(p, state)
+        shared.moment_state(p, state)
 
 
-options = blocks.decay_options
-
-
-def inputs(o):
-    return list(blocks.MOMENT_INPUTS)
+options, inputs = shared.decay_options, shared.moment_inputs  # the Adam family's, without AMSGrad
 
 
 def scalars(group, state):
@@ -35,8 +31,8 @@ def scalars(group, state):
     rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
     out = {
         "rectify": bool(rho_t > 5.0),
-        **blocks.weight_decay_scalars(group, lr),
-        **blocks.moment_scalars(beta1, beta2),
+        **shared.weight_decay_scalars(group, lr),
+        **shared.moment_scalars(beta1, beta2),
         "bias_correction1": bias_correction1,
         "lr": lr,
     }
@@ -49,8 +45,8 @@ def scalars(group, state):
 
 def statements(o, b):
     s, param = b.s, b.tensor("param")
-    grad = blocks.gradient(o, b, complex_decay=False)
-    exp_avg, exp_avg_sq = blocks.adam_moments(b, grad)
+    grad = shared.gradient(o, b, complex_decay=False)
+    exp_avg, exp_avg_sq = shared.adam_moments(b, grad)
     bias_corrected_exp_avg = exp_avg / s.bias_correction1
     if o.rectify:
         adaptive_lr = b.let("adaptive_lr", s.bias_correction2_sqrt / (sqrt(exp_avg_sq) + s.eps))
@@ -69,7 +65,7 @@ RADAM = OptimizerSpec(
     statements,
     flags=("rectify",),
     # with the default betas, it rectifies from step 6 on
-    low_precision_scalars=blocks.tensor_weight_scalars("one_minus_beta1", "betas", 0),
+    low_precision_scalars=shared.tensor_weight_scalars("one_minus_beta1", "betas", 0),
     rich_kwargs=dict(lr=0.01, weight_decay=0.1),
     fidelity_kwargs=dict(lr=1e-2),
 )

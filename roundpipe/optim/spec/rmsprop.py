@@ -2,10 +2,10 @@
 
 import torch
 
-from . import blocks
-from .blocks import gradient
-from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
+from . import shared
+from .core import OptimizerSpec, zero_step, zeros_like
 from .ir import add, addcdiv, addcmul, lerp, sqrt
+from .shared import average_scalars, gradient
 
 
 def init_state(group, p, state):
@@ -37,20 +37,10 @@ def inputs(o):
 
 
 def scalars(group, state):
-    lr = to_scalar(group["lr"])
-    alpha = group["alpha"]
-    state["step"] += 1
-    return {
-        "weight_decay": group["weight_decay"],
-        "alpha": alpha,
-        "one_minus_alpha": 1 - alpha,
-        # the same value as the lerp's weight, which a low-precision step rounds where alpha is
-        # a tensor (``low_precision_scalars``) and addcmul's value never
-        "lerp_weight": 1 - alpha,
-        "eps": group["eps"],
-        "momentum": group["momentum"],
-        "neg_lr": -lr,
-    }
+    # lerp_weight: the same value as the lerp's weight, which a low-precision step rounds where
+    # alpha is a tensor (``low_precision_scalars``) and addcmul's value never
+    values = average_scalars(group, state, "alpha")
+    return {**values, "lerp_weight": values["one_minus_alpha"], "momentum": group["momentum"]}
 
 
 def statements(o, b):
@@ -80,7 +70,7 @@ RMSPROP = OptimizerSpec(
     inputs,
     scalars,
     statements,
-    low_precision_scalars=blocks.tensor_weight_scalars("lerp_weight", "alpha"),
+    low_precision_scalars=shared.tensor_weight_scalars("lerp_weight", "alpha"),
     rich_kwargs=dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1),
     fidelity_kwargs=dict(lr=1e-3, centered=True, momentum=0.5),
 )

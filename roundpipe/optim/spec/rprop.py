@@ -7,9 +7,9 @@ written with ``where``. As in torch, a NaN product counts as 0 (torch.sign(NaN) 
 
 import torch
 
-from .blocks import gradient
 from .core import OptimizerSpec, to_scalar, zero_step, zeros_like
 from .ir import addcmul, clamp, sign, where
+from .shared import gradient
 
 
 def init_state(group, p, state):

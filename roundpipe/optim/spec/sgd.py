@@ -7,8 +7,8 @@ selects that program for the step.
 
 import torch
 
-from .blocks import add_on_complex, gradient
 from .core import OptimizerSpec, to_scalar, zeros_like
+from .shared import add_on_complex, gradient
 
 
 def init_state(group, p, state):

@@ -56,10 +56,10 @@ class Between:
     fn: Callable
 
 
-def program(o, inputs, statements, shapes=None) -> Program:
+def program(o, inputs, statements, kinds=None) -> Program:
     """A pass's program: ``statements(o, b)`` over ``inputs``, with the gradient factors of the
     options (loss scaling and clipping), as an elementwise spec's (``core.build_program``)."""
-    return build_program(o, inputs, statements, shapes)
+    return build_program(o, inputs, statements, kinds)
 
 
 @dataclass(frozen=True)

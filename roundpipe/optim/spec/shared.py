@@ -1,4 +1,4 @@
-"""Building blocks that several torch optimizers share, written once.
+"""Lines that several torch optimizers share, written once.
 
 Each is the same few lines of torch's ``_single_tensor_*`` functions, in the same order:
 
@@ -11,12 +11,14 @@ Each is the same few lines of torch's ``_single_tensor_*`` functions, in the sam
   ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)`` (Adam, AdamW, NAdam, RAdam).
 
 with their scalars (``weight_decay_scalars``, ``moment_scalars``), computed as torch computes them,
-and the state and options the Adam family shares (``moment_state``, ``decay_options``).
+the state, options and inputs the Adam family shares (``moment_state``, ``decay_options``,
+``moment_inputs``), and the scalars of a squared-gradient average (``average_scalars``: Adadelta,
+RMSprop).
 """
 
 import torch
 
-from .core import zeros_like
+from .core import to_scalar, zeros_like
 from .ir import add, addcmul, lerp
 
 
@@ -27,6 +29,11 @@ def moment_state(p, state):
 
 
 MOMENT_INPUTS = ("param", "grad", "exp_avg", "exp_avg_sq")
+
+
+def moment_inputs(o):
+    """The tensors of an Adam-family step without AMSGrad: the moments, with param and grad."""
+    return list(MOMENT_INPUTS)
 
 
 def decay_options(group, decoupled=None):
@@ -65,6 +72,22 @@ def add_on_complex(o, a, x, alpha):
     if o.get("complex"):
         return a + alpha * x
     return add(a, x, alpha=alpha)
+
+
+def average_scalars(group, state, decay: str) -> dict:
+    """The step of an optimizer that keeps an average of squared gradients with decay rate
+    ``group[decay]`` (Adadelta's ``rho``, RMSprop's ``alpha``), counted; its scalars: the rate
+    and one minus it, ``eps``, the L2 weight decay and ``-lr``."""
+    lr = to_scalar(group["lr"])
+    rate = group[decay]
+    state["step"] += 1
+    return {
+        "weight_decay": group["weight_decay"],
+        decay: rate,
+        f"one_minus_{decay}": 1 - rate,
+        "eps": group["eps"],
+        "neg_lr": -lr,
+    }
 
 
 def weight_decay_scalars(group, lr):

@@ -345,12 +345,6 @@ class Program:
     kinds: tuple = ()  # (input, kind) of its inputs of a kind: broadcast or quantized
 
     @property
-    def shapes(self) -> tuple:
-        """``kinds``, by the name the numba engine still reads (an input's kind is not a
-        tensor shape; the engine moves to ``kinds`` with its next change)."""
-        return self.kinds
-
-    @property
     def blockwise(self) -> bool:
         """Whether it writes an 8-bit state (a ``quantize`` statement)."""
         return any(isinstance(st, Quantize) for st in self.statements)

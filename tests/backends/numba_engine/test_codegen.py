@@ -55,7 +55,7 @@ def test_fma_is_used_where_torch_fuses():
     # value, stored there); the last pass: add(alpha=wd), lerp (buf and g are recomputed, acc is
     # read back) and addcmul(value=1)
     assert sum(_final_pass(src, k).count("fma(") for k in ("kernel_parallel", "kernel_serial")) == 2 * 3
-    # two loops, each with one block body (a partial block runs it on padded copies)
+    # two loops, each with one chunk body (a partial chunk runs it on padded copies)
     assert src.count("fma(") == 2 * (3 + 3)
     assert "from roundpipe.optim.backends.numba_engine.intrinsics import f32ptr, fma, call_sqrt_at" in src
 
@@ -67,12 +67,12 @@ def _kernel_lines(src, name):
 
 def _passes(src, name):
     """The element loops of a kernel, as lists of stripped lines (one per pass): those over a
-    slice (``range(count)``) or over a block of a program with a sqrt (``range(SQRT_BLOCK)``)."""
+    slice (``range(count)``) or over a chunk of a program with a sqrt (``range(SQRT_CHUNK)``)."""
     passes, current, depth = [], None, 0
     for line in _kernel_lines(src, name):
         stripped = line.strip()
         indent = len(line) - len(line.lstrip())
-        if stripped in ("for i in range(count):", f"for i in range({numba_engine.SQRT_BLOCK}):"):
+        if stripped in ("for i in range(count):", f"for i in range({numba_engine.SQRT_CHUNK}):"):
             current, depth = [], indent
             passes.append(current)
         elif current is not None and stripped and indent > depth:
@@ -87,7 +87,7 @@ def _final_pass(src, name):
 
 
 def test_generated_source_reads_once_writes_once_and_has_no_literals():
-    """One parallel region; every target is written once per block, stores last in their pass:
+    """One parallel region; every target is written once per chunk, stores last in their pass:
     pass 0 (the sqrt's argument) stores the targets whose final value it computes (here acc),
     the last pass the others; each pass reads each array at most once."""
     prog = every_function_program()
@@ -104,7 +104,7 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
     )
     assert n_sqrt == 1 and len(passes) == 1 + n_sqrt + 1  # argument pass, sqrt (fallback loop), last
     first, last = passes[0], passes[-1]
-    block = numba_engine.SQRT_BLOCK
+    chunk = numba_engine.SQRT_CHUNK
     for i, name in enumerate(prog.tensors):
         array, address = f"view{i}_{name}", f"addr{i}_{name}"
         writes = 0
@@ -114,25 +114,25 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
             assert len(reads) <= 1 and sum(array in ln for ln in lines) == len(reads) + len(w), name
             writes += len(w)
         assert writes == (1 if name in prog.targets else 0), name
-        # the block's own view (from index 0: no wraparound code, so LLVM vectorizes) of the
-        # constant SQRT_BLOCK elements (no run-time trip count) at the slice, or for a partial
-        # block at a zero-padded copy, which is copied back if written
+        # the chunk's own view (from index 0: no wraparound code, so LLVM vectorizes) of the
+        # constant SQRT_CHUNK elements (no run-time trip count) at the slice, or for a partial
+        # chunk at a zero-padded copy, which is copied back if written
         binds = [ln.strip() for ln in ser.splitlines() if ln.strip().startswith(f"{array} = carray(")]
-        assert binds == [f"{array} = carray(f32ptr({address}), {block})"], name
+        assert binds == [f"{array} = carray(f32ptr({address}), {chunk})"], name
         lines = [ln.strip() for ln in ser.splitlines()]
-        assert f"{address} = addresses[{i}, param_index] + 4 * (start + block_start)" in lines, name
-        # every line of the block PREFETCH_BLOCKS ahead is prefetched
-        assert f"prefetch4({address} + {4 * block * numba_engine.PREFETCH_BLOCKS})" in lines, name
+        assert f"{address} = addresses[{i}, param_index] + 4 * (start + chunk_start)" in lines, name
+        # every line of the chunk PREFETCH_CHUNKS ahead is prefetched
+        assert f"prefetch4({address} + {4 * chunk * numba_engine.PREFETCH_CHUNKS})" in lines, name
         padded = f"pad{i}_{name}"
         pad = [
             ln
             for ln in lines
-            if ln == f"{address} = pad_copy({padded}, {address}, 4 * block_count, {4 * block})"
+            if ln == f"{address} = pad_copy({padded}, {address}, 4 * chunk_count, {4 * chunk})"
         ]
         back = [
             ln
             for ln in lines
-            if ln.startswith(f"pad_copy(addresses[{i}, param_index] + 4 * (start + block_start), ")
+            if ln.startswith(f"pad_copy(addresses[{i}, param_index] + 4 * (start + chunk_start), ")
         ]
         assert len(pad) == 1 and len(back) == (name in prog.targets), name
     assert any(ln.startswith("view3_acc[i] =") for ln in first)  # acc's final value: stored in pass 0
@@ -140,7 +140,7 @@ def test_generated_source_reads_once_writes_once_and_has_no_literals():
         stores = [ln for ln in lines if ln.startswith(("view", "args0[i]")) and "[i] =" in ln]
         assert lines[-len(stores) :] == stores  # stores last
     # numba types a Python float literal as float64: every float is a float32 read from scalar_rows; the
-    # only literals are integers (indices, the block size)
+    # only literals are integers (indices, the chunk size)
     numbers = [
         t.string for t in tokenize.generate_tokens(io.StringIO(ks.source).readline) if t.type == token.NUMBER
     ]

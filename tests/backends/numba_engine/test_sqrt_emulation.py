@@ -30,7 +30,7 @@ def _rootinputs(seed=0):
     gen = torch.Generator().manual_seed(seed)
     normal = torch.empty(3 << 18).uniform_(-50.0, 88.0, generator=gen).exp()
     x = torch.cat([normal, _random_floats(1 << 18, seed)])
-    return x[: x.numel() - x.numel() % numba_engine.SQRT_BLOCK - 7]
+    return x[: x.numel() - x.numel() % numba_engine.SQRT_CHUNK - 7]
 
 
 @pytest.mark.parametrize("kind", numba_engine.SQRT_KINDS)

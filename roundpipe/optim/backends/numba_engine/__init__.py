@@ -11,7 +11,7 @@ Modules, each importing only those listed before it:
 * ``config``: tuned constants, the sqrt kinds, numba's import;
 * ``probes``: what the kernels must reproduce (torch's fused multiply-adds, its sqrt routine,
   numba's target CPU, which emulation of MKL's sqrt equals torch's);
-* ``lowering``: a program as records of one iteration, and the passes of a block;
+* ``lowering``: a program as records of one iteration, and the passes of a chunk;
 * ``codegen``: the kernel module's source;
 * ``intrinsics``, ``sqrt_emulation``, ``conversions``: what the generated kernels call (they
   import numba: loaded with the first kernel);
@@ -34,8 +34,8 @@ from .config import (
     GENERATOR_VERSION,
     INSTALL_HINT,
     PARALLEL_MIN_NUMEL,
-    PREFETCH_BLOCKS,
-    SQRT_BLOCK,
+    PREFETCH_CHUNKS,
+    SQRT_CHUNK,
     SQRT_KINDS,
     SQRT_LANES,
     import_numba,
@@ -54,8 +54,8 @@ __all__ = [
     "GENERATOR_VERSION",
     "INSTALL_HINT",
     "PARALLEL_MIN_NUMEL",
-    "PREFETCH_BLOCKS",
-    "SQRT_BLOCK",
+    "PREFETCH_CHUNKS",
+    "SQRT_CHUNK",
     "SQRT_KINDS",
     "SQRT_LANES",
     "KernelCompileError",

@@ -24,7 +24,7 @@ from ... import threads
 from ...spec import codebooks
 from ...spec.ir import QUANTIZED_KINDS, Call, Quantize, walk
 from ..torch_ops import lookup_table
-from .codegen import _block_passes, _Kernel
+from .codegen import KernelParts, chunk_passes
 from .config import EMULATION_INTRINSICS, GENERATOR_VERSION, LOW_PRECISION, PARALLEL_MIN_NUMEL, import_numba
 from .kernels import jit_module, keep_torch_threads
 from .lowering import Code, KernelLowering, Record, local_name, sqrt_passes, uses_of
@@ -49,7 +49,7 @@ class BlockwiseLowering(KernelLowering):
         local = code if code.isidentifier() else Code(f"qv{k}", {f"qv{k}"})
         if local is not code:
             self.records.append(Record(str(local), code, uses_of(code)))
-        # (a let's own local where the value is one: the block passes then see when the first
+        # (a let's own local where the value is one: the chunk passes then see when the first
         # pass has it, store it there and take a root of it from the scratch block)
         self.current[f"q{k}"] = local
         self.views[f"q{k}"] = f"qbuf{k}"
@@ -65,8 +65,8 @@ class BlockwiseLowering(KernelLowering):
 
 def _shaped(program) -> tuple:
     """The program's tensors of the parameter's shape, read as float: ``param`` and ``grad``."""
-    shapes = dict(program.shapes)
-    return tuple(t for t in program.tensors if t not in shapes)
+    kinds = dict(program.kinds)
+    return tuple(t for t in program.tensors if t not in kinds)
 
 
 def generate(program, variant, fused, sqrt_kind, grad_dtype="float32"):
@@ -79,10 +79,10 @@ def generate(program, variant, fused, sqrt_kind, grad_dtype="float32"):
     low = {"grad": grad_dtype} if grad_dtype in LOW_PRECISION else {}
     pseudo = tuple(f"q{k}" for k in range(len(quantized)))
     targets = tuple(t for t in program.targets if t in shaped) + pseudo
-    kernel = _Kernel(lowering, targets, shaped, low, None)
+    kernel = KernelParts(lowering, targets, shaped, low, None)
     if lowering.sqrt_cuts:
         early, passes = sqrt_passes(lowering, targets)
-        body, buffers = _block_passes(kernel, early, passes, sqrt_kind, BLOCK)
+        body, buffers = chunk_passes(kernel, early, passes, sqrt_kind, BLOCK)
     else:
         body, buffers = _single_pass(kernel), []
     rows = (*program.tensors, *(f"lut{k}" for k in range(len(quantized))))
@@ -179,6 +179,7 @@ def _kernel(kernel, program, quantized, row_of, names, buffers, body) -> list:
     per_block = [
         f"start = blk * {BLOCK}",
         f"block_count = min(numel - start, {BLOCK})",
+        "chunk_count = block_count  # (codegen's chunk passes: here a chunk is the block)",
         *(f"am_{t} = ab_{t}[blk]" for t in sorted(_dequantized(program, "blocks"))),
         *(f"addr_{t} = addresses[{row_of[t]}, p] + {size[t]} * start" for t in shaped),
         *(f"code_at_{c} = addresses[{row_of[c]}, p] + start" for c in read_codes),
@@ -226,14 +227,14 @@ def _kernel(kernel, program, quantized, row_of, names, buffers, body) -> list:
 
 
 def _block_address(r, t) -> str:
-    # the local codegen's block passes read a tensor's block address from (its naming)
+    # the local codegen's chunk passes read a tensor's block address from (its naming)
     return local_name("addr", r, t)
 
 
 @functools.lru_cache(maxsize=64)
 def _dequantized(program, kind) -> frozenset:
     """The program's inputs of ``kind`` (``codes``, ``blocks``, ``codebook``)."""
-    return frozenset(t for t, k in program.shapes if k == kind)
+    return frozenset(t for t, k in program.kinds if k == kind)
 
 
 def _quantize_lines(k, st, row_of) -> list:
@@ -289,8 +290,8 @@ def compiles(program) -> bool:
     """Whether this kernel runs ``program``: an 8-bit pass, or another elementwise pass with
     torch's roots (the 8-bit family's 32-bit updates), which the staged kernels do not take;
     no reductions and no broadcast inputs."""
-    shapes = dict(program.shapes)
-    if program.reductions or any(kind not in QUANTIZED_KINDS for kind in shapes.values()):
+    kinds = dict(program.kinds)
+    if program.reductions or any(kind not in QUANTIZED_KINDS for kind in kinds.values()):
         return False
     return program.blockwise or _takes_roots(program)
 

@@ -3,7 +3,7 @@ loops over a step's slices, ``kernel_parallel`` (``prange``) and ``kernel_serial
 
 Each part of a kernel has its emitter; every emitter returns its lines at its own depth, and
 the caller indents them (``_indent``). What the kernels compute and why they are shaped so
-(blocks, passes, padded copies): docs/numba-engine.md.
+(chunks, passes, padded copies): docs/numba-engine.md.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from .config import (
     EMULATION_INTRINSICS,
     GENERATOR_VERSION,
     LOW_PRECISION,
-    PREFETCH_BLOCKS,
-    SQRT_BLOCK,
+    PREFETCH_CHUNKS,
+    SQRT_CHUNK,
     SQRT_KINDS,
     SQRT_LANES,
 )
 from .lowering import KernelLowering, local_name, sqrt_passes
 
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
-_BLOCK_BYTES = 4 * SQRT_BLOCK  # a block of float32
+_CHUNK_BYTES = 4 * SQRT_CHUNK  # a chunk of float32
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class KernelSource:
 
 
 @dataclass
-class _Kernel:
+class KernelParts:
     """What the emitters share: the lowered program and how each tensor is stored."""
 
     lowering: KernelLowering
@@ -89,7 +89,7 @@ def generate(
 ) -> KernelSource:
     """The kernel source for ``program`` and a lerp variant (``formulas.lerp_variant``);
     ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA;
-    ``sqrt_kind``: how a block's roots are taken (``SQRT_KINDS``); ``dtype_names``: ``(grad dtype,
+    ``sqrt_kind``: how a chunk's roots are taken (``SQRT_KINDS``); ``dtype_names``: ``(grad dtype,
     partner dtype or None)`` by name: a ``bfloat16``/``float16`` gradient is widened as it is
     read, and a partner (the last row of ``addresses``) written with the final ``param``,
     rounded to its dtype. ``low``: the ``low_precision.Rounding`` of a program whose tensors are
@@ -109,10 +109,10 @@ def generate(
         storage = {t: low.name for t in program.tensors}
     else:
         storage = {t: d for t, d in (("grad", grad_dtype), ("partner", partner_dtype)) if d in LOW_PRECISION}
-    kernel = _Kernel(lowering, tuple(program.targets), tensors, storage, partner_dtype)
+    kernel = KernelParts(lowering, tuple(program.targets), tensors, storage, partner_dtype)
     row_names = (*sorted(lowering.scalars), *sorted(lowering.consts))
     if lowering.sqrt_cuts:
-        scratch, inner, intrinsics = _block_loop(kernel, sqrt_kind)
+        scratch, inner, intrinsics = _chunk_loop(kernel, sqrt_kind)
         emulations = [EMULATION_INTRINSICS[sqrt_kind]] if sqrt_kind in EMULATION_INTRINSICS else []
     else:
         scratch, inner, intrinsics, emulations = [], _slice_loop(kernel), [], []
@@ -162,19 +162,19 @@ def _header(program, variant, lowering, sqrt_kind, dtype_names) -> list:
         "# column per parameter); scalar_rows (float32: the scalars s_*, then the constants c_*: a",
         "# Python float literal would make numba compute in float64); sqrt_routine (the address of",
         "# torch's sqrt routine, vmsSqrt, or 0: the correctly rounded sqrt). Locals: view<r>_<tensor>",
-        "# (its elements in the slice or block), val<r>_<tensor>_<n> (its n-th value, 0 as read),",
+        "# (its elements in the slice or chunk), val<r>_<tensor>_<n> (its n-th value, 0 as read),",
         "# let<n>_<name>, tmp<n> (a sub-expression used twice), arg<k> (the k-th sqrt's argument;",
-        "# args<k> and roots<k>: a block's arguments and roots). See docs/numba-engine.md.",
+        "# args<k> and roots<k>: a chunk's arguments and roots). See docs/numba-engine.md.",
     ]
 
 
-def _imports(kernel: _Kernel, block_intrinsics: list, emulations: list) -> list:
+def _imports(kernel: KernelParts, chunk_intrinsics: list, emulations: list) -> list:
     """The intrinsics the kernels call, from the modules that define them."""
     lowering, low = kernel.lowering, kernel.low
     intrinsics = [
         "f32ptr",
         *(["fma"] if lowering.uses_fma else []),
-        *block_intrinsics,
+        *chunk_intrinsics,
         *(["u16ptr"] if low else []),
         "wide_vectors",
     ]
@@ -230,11 +230,11 @@ def _item_setup(row_names, tails=False) -> list:
     ]
 
 
-def _pointer(kernel: _Kernel, tensor: str) -> str:
+def _pointer(kernel: KernelParts, tensor: str) -> str:
     return "u16ptr" if tensor in kernel.low else "f32ptr"
 
 
-def _slice_loop(kernel: _Kernel) -> list:
+def _slice_loop(kernel: KernelParts) -> list:
     """A program without a sqrt: one loop over the slice, every input read once, every target
     written once."""
     lowering = kernel.lowering
@@ -251,57 +251,57 @@ def _slice_loop(kernel: _Kernel) -> list:
     return [*views, "for i in range(count):", *_indent(body)]
 
 
-def _block_address(row: int, tensor: str) -> str:
-    """The local holding the address of the tensor's block (or of its padded copy)."""
+def _chunk_address(row: int, tensor: str) -> str:
+    """The local holding the address of the tensor's chunk (or of its padded copy)."""
     return local_name("addr", row, tensor)
 
 
 def _padded_address(row: int, tensor: str) -> str:
-    """The local holding the address of the tensor's zero-padded copy of a partial block."""
+    """The local holding the address of the tensor's zero-padded copy of a partial chunk."""
     return local_name("pad", row, tensor)
 
 
-def _block_loop(kernel: _Kernel, sqrt_kind: str):
-    """A program with a sqrt: ``(scratch, loop, intrinsics)``, the slice walked in blocks of
-    SQRT_BLOCK elements (see docs/numba-engine.md: the passes of a block). A slice's last,
-    partial block runs the same passes on zero-padded copies, then copies back what it wrote."""
+def _chunk_loop(kernel: KernelParts, sqrt_kind: str):
+    """A program with a sqrt: ``(scratch, loop, intrinsics)``, the slice walked in chunks of
+    SQRT_CHUNK elements (see docs/numba-engine.md: the passes of a chunk). A slice's last,
+    partial chunk runs the same passes on zero-padded copies, then copies back what it wrote."""
     early, passes = sqrt_passes(kernel.lowering, kernel.targets)
-    body, buffers = _block_passes(kernel, early, passes, sqrt_kind)
+    body, buffers = chunk_passes(kernel, early, passes, sqrt_kind)
     size = {t: kernel.element_size(t) for t in kernel.tensors}
-    addr = {t: _block_address(r, t) for r, t in enumerate(kernel.tensors)}
+    addr = {t: _chunk_address(r, t) for r, t in enumerate(kernel.tensors)}
     pad = {t: _padded_address(r, t) for r, t in enumerate(kernel.tensors)}
     at = {
-        t: f"addresses[{r}, param_index] + {size[t]} * (start + block_start)"
+        t: f"addresses[{r}, param_index] + {size[t]} * (start + chunk_start)"
         for r, t in enumerate(kernel.tensors)
     }
-    prefetch = {t: f"prefetch{_BLOCK_BYTES // 4 * size[t] // 64}" for t in kernel.tensors}
+    prefetch = {t: f"prefetch{_CHUNK_BYTES // 4 * size[t] // 64}" for t in kernel.tensors}
     written = [t for t in kernel.tensors if t in {*kernel.targets, "partner"}]
     loop = [
-        f"for block_start in range(0, count, {SQRT_BLOCK}):",
+        f"for chunk_start in range(0, count, {SQRT_CHUNK}):",
         *_indent(
             [
-                f"block_count = min(count - block_start, {SQRT_BLOCK})",
+                f"chunk_count = min(count - chunk_start, {SQRT_CHUNK})",
                 *(f"{addr[t]} = {at[t]}" for t in kernel.tensors),
-                # every line of the block PREFETCH_BLOCKS ahead (a hint: never faults)
+                # every line of the chunk PREFETCH_CHUNKS ahead (a hint: never faults)
                 *(
-                    f"{prefetch[t]}({addr[t]} + {PREFETCH_BLOCKS * _BLOCK_BYTES // 4 * size[t]})"
+                    f"{prefetch[t]}({addr[t]} + {PREFETCH_CHUNKS * _CHUNK_BYTES // 4 * size[t]})"
                     for t in kernel.tensors
                 ),
-                # a partial block: zero-padded copies (a partner is only written: nothing to copy in)
-                f"if block_count < {SQRT_BLOCK}:",
+                # a partial chunk: zero-padded copies (a partner is only written: nothing to copy in)
+                f"if chunk_count < {SQRT_CHUNK}:",
                 *_indent(
                     f"{addr[t]} = "
                     + (
                         pad[t]
                         if t == "partner"
-                        else f"pad_copy({pad[t]}, {addr[t]}, {size[t]} * block_count, {_BLOCK_BYTES})"
+                        else f"pad_copy({pad[t]}, {addr[t]}, {size[t]} * chunk_count, {_CHUNK_BYTES})"
                     )
                     for t in kernel.tensors
                 ),
                 *body,
-                f"if block_count < {SQRT_BLOCK}:",
+                f"if chunk_count < {SQRT_CHUNK}:",
                 *_indent(
-                    f"pad_copy({at[t]}, {pad[t]}, {size[t]} * block_count, {size[t]} * block_count)"
+                    f"pad_copy({at[t]}, {pad[t]}, {size[t]} * chunk_count, {size[t]} * chunk_count)"
                     for t in written
                 ),
             ]
@@ -311,38 +311,38 @@ def _block_loop(kernel: _Kernel, sqrt_kind: str):
     return scratch, loop, ["call_sqrt_at", "pad_copy", *sorted(set(prefetch.values()))]
 
 
-def _scratch(kernel: _Kernel, buffers: list, pad: dict) -> list:
-    """One allocation per thread (each np.empty adds to the compile time): the blocks' argument
-    and root buffers, then a zero-padded copy of a partial block per tensor."""
+def _scratch(kernel: KernelParts, buffers: list, pad: dict) -> list:
+    """One allocation per thread (each np.empty adds to the compile time): the chunks' argument
+    and root buffers, then a zero-padded copy of a partial chunk per tensor."""
     return [
-        f"scratch = np.empty({SQRT_BLOCK * (len(buffers) + len(kernel.tensors))}, np.float32)",
+        f"scratch = np.empty({SQRT_CHUNK * (len(buffers) + len(kernel.tensors))}, np.float32)",
         "scratch_at = scratch.ctypes.data",
         *(
-            f"{buf} = carray(f32ptr(scratch_at + {_BLOCK_BYTES * n}), {SQRT_BLOCK})"
+            f"{buf} = carray(f32ptr(scratch_at + {_CHUNK_BYTES * n}), {SQRT_CHUNK})"
             for n, buf in enumerate(buffers)
         ),
         *(
-            f"{pad[t]} = scratch_at + {_BLOCK_BYTES * (len(buffers) + r)}"
+            f"{pad[t]} = scratch_at + {_CHUNK_BYTES * (len(buffers) + r)}"
             for r, t in enumerate(kernel.tensors)
         ),
     ]
 
 
-def _block_passes(kernel: _Kernel, early: list, passes: list, sqrt_kind: str, size: int = SQRT_BLOCK):
-    """``(lines, buffers)``: a block's views, its passes (pass ``k`` stores the ``k``-th
+def chunk_passes(kernel: KernelParts, early: list, passes: list, sqrt_kind: str, size: int = SQRT_CHUNK):
+    """``(lines, buffers)``: a chunk's views, its passes (pass ``k`` stores the ``k``-th
     sqrt's arguments in ``args<k>``, the roots are taken into ``roots<k>``; the last pass runs
     with every root and stores the targets), and the scratch buffers they use. ``size``: the
-    block's elements (the 8-bit kernels' blocks are the quantization blocks, ``blockwise``)."""
+    chunk's elements (the 8-bit kernels' blocks are the quantization blocks, ``blockwise``)."""
     lowering = kernel.lowering
     lines = [
-        f"{kernel.view(t)} = carray({_pointer(kernel, t)}({_block_address(r, t)}), {size})"
+        f"{kernel.view(t)} = carray({_pointer(kernel, t)}({_chunk_address(r, t)}), {size})"
         for r, t in enumerate(kernel.tensors)
     ]
     buffers = []
     for k, one in enumerate(passes[:-1]):
         arg = f"arg{k}"
         # a root of a value pass 0 stores (Adam's exp_avg_sq.sqrt()) is taken from the target's
-        # own block, not from a copy in args<k>
+        # own chunk, not from a copy in args<k>
         stored = [
             t
             for t in (early if k == 0 else ())
@@ -372,7 +372,7 @@ def _block_passes(kernel: _Kernel, early: list, passes: list, sqrt_kind: str, si
     return lines + [f"for i in range({size}):", *_indent(body)], buffers
 
 
-def _pass_loads(kernel: _Kernel, early: list, one) -> list:
+def _pass_loads(kernel: KernelParts, early: list, one) -> list:
     """A later pass's loads: its inputs, and the values pass 0 stored that it reads back."""
     lowering = kernel.lowering
     needed = frozenset().union(*(rec.uses for rec in one.records))
@@ -382,20 +382,20 @@ def _pass_loads(kernel: _Kernel, early: list, one) -> list:
     ]
 
 
-def _roots(kind: str, args: str, roots: str, size: int = SQRT_BLOCK) -> list:
-    """The lines that take a block's roots, ``args`` -> ``roots`` (SQRT_BLOCK elements, of which
-    the first ``block_count`` are the slice's: the rest is a partial block's zero padding)."""
+def _roots(kind: str, args: str, roots: str, size: int = SQRT_CHUNK) -> list:
+    """The lines that take a chunk's roots, ``args`` -> ``roots`` (SQRT_CHUNK elements, of which
+    the first ``chunk_count`` are the slice's: the rest is a partial chunk's zero padding)."""
     if kind == "routine":  # sqrt_routine == 0: torch's sqrt is correctly rounded
         return [
             "if sqrt_routine == 0:",
             f"    for i in range({size}):",
             f"        {roots}[i] = np.sqrt({args}[i])",
             "else:",
-            f"    call_sqrt_at(sqrt_routine, block_count, {args}.ctypes.data, {roots}.ctypes.data)",
+            f"    call_sqrt_at(sqrt_routine, chunk_count, {args}.ctypes.data, {roots}.ctypes.data)",
         ]
-    # a block with any lane off the emulation's path goes to the routine whole: no call inside
+    # a chunk with any lane off the emulation's path goes to the routine whole: no call inside
     # the loop, whose vector constants then stay in registers (a call clobbers them all). The
-    # last (block_count % SQRT_LANES) elements of a partial block go to the routine on their
+    # last (chunk_count % SQRT_LANES) elements of a partial chunk go to the routine on their
     # own (the emulation is MKL's main loop; these are its remainder).
     return [
         f"args_at = {args}.ctypes.data",
@@ -405,8 +405,8 @@ def _roots(kind: str, args: str, roots: str, size: int = SQRT_BLOCK) -> list:
         f"    off_path |= {EMULATION_INTRINSICS[kind]}(args_at + 4 * i, roots_at + 4 * i)",
         "if off_path:",
         f"    call_sqrt_at(sqrt_routine, {size}, args_at, roots_at)",
-        f"grouped = block_count - (block_count & {SQRT_LANES - 1})",
-        "if grouped < block_count:",
-        "    call_sqrt_at(sqrt_routine, block_count - grouped, args_at + 4 * grouped,"
+        f"grouped = chunk_count - (chunk_count & {SQRT_LANES - 1})",
+        "if grouped < chunk_count:",
+        "    call_sqrt_at(sqrt_routine, chunk_count - grouped, args_at + 4 * grouped,"
         " roots_at + 4 * grouped)",
     ]

@@ -19,22 +19,22 @@ PARALLEL_MIN_NUMEL = 1 << 15
 # Thread shares are cut at multiples of this many elements (64 bytes: no cache line shared).
 ALIGN = 16
 
-# Elements per block of a program with a sqrt: every pass over a block stays in L1. A multiple
+# Elements per chunk of a program with a sqrt: every pass over a chunk stays in L1. A multiple
 # of SQRT_LANES.
-SQRT_BLOCK = 64
-# A block's passes prefetch every cache line of the block this many blocks ahead in each tensor
+SQRT_CHUNK = 64
+# A chunk's passes prefetch every cache line of the chunk this many chunks ahead in each tensor
 # (the hardware prefetchers alone leave the interleaved streams short of memory bandwidth).
-PREFETCH_BLOCKS = 4
+PREFETCH_CHUNKS = 4
 # Lanes an emulated sqrt takes a call (one zmm register, two ymm).
 SQRT_LANES = 16
 # vmsSqrt's mode argument, as torch's ATen/cpu/vml.h passes it:
 # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 VML_MODE = 0x2 | 0x00140000 | 0x100
 
-# How a kernel takes the roots of a block: ``routine`` calls torch's sqrt routine through its
+# How a kernel takes the roots of a chunk: ``routine`` calls torch's sqrt routine through its
 # address (or, where that address is 0, the correctly rounded sqrt); each ``emulated*`` kind
 # computes the main path of one of MKL's float32 sqrt kernels (``sqrt_emulation.py``) and hands
-# any block with a lane off that path to the routine whole.
+# any chunk with a lane off that path to the routine whole.
 SQRT_KINDS = ("routine", "emulated-avx", "emulated", "emulated-fma", "emulated-avx512")
 # emulated kind -> its intrinsic (``sqrt_emulation.py``), which takes SQRT_LANES roots a call
 EMULATION_INTRINSICS = {
@@ -53,7 +53,7 @@ EMULATION_FEATURES = {
 }
 
 # How a staged kernel takes torch's ``rsqrt`` (``1 / sqrt``, each rounded): ``divider`` with
-# the CPU's root and division instructions; each ``exact-*`` kind a block at a time from the
+# the CPU's root and division instructions; each ``exact-*`` kind a chunk at a time from the
 # CPU's estimates (``exact_root.py``), where ``probes.find_root_kind`` finds it bit for bit
 ROOT_KINDS = ("divider", "exact-avx512", "exact-avx")
 # Whether staged kernels probe for an exact kind at all: off, because where it was measured the

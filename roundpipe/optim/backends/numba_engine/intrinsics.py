@@ -146,14 +146,14 @@ def _pointer(element):
     return intrinsic(pointer)
 
 
-# a block of float32 is 4 cache lines, one of bfloat16/float16 bits 2
+# a chunk of float32 is 4 cache lines, one of bfloat16/float16 bits 2
 prefetch4 = _prefetch(4)
 prefetch2 = _prefetch(2)
 # the float32 / uint16 (bfloat16, float16 bits) pointer at a tensor's data_ptr()
 f32ptr = _pointer(types.float32)
 u16ptr = _pointer(types.uint16)
 u8ptr = _pointer(types.uint8)  # an 8-bit state's codes and its lookup table (blockwise)
-i32ptr = _pointer(types.int32)  # a block's table positions (blockwise)
+i32ptr = _pointer(types.int32)  # a quantization block's table positions (blockwise)
 
 
 def _lane_add(lanes: int):

@@ -1,15 +1,15 @@
 """A spec program lowered to the statements of one loop iteration, kept as records (local,
 expression, the locals it reads) until ``codegen`` writes them out; and, for a program with a
-``sqrt``, the passes of a block (which records each pass runs).
+``sqrt``, the passes of a chunk (which records each pass runs).
 
 Names of the generated locals (each kind has its own prefix, then the tensor's row, so no two
 kinds can collide and a spec's names cannot collide with them):
 
-* ``view<r>_<tensor>``: the tensor's elements (of the slice, or of the block);
+* ``view<r>_<tensor>``: the tensor's elements (of the slice, or of the chunk);
 * ``val<r>_<tensor>_<n>``: the tensor's ``n``-th value in this iteration (0: as read);
 * ``let<n>_<name>``: a ``let``; ``tmp<n>``: a sub-expression used more than once;
 * ``arg<k>``: the argument of the ``k``-th sqrt, whose root the expression reads as
-  ``roots<k>[i]`` (taken for the whole block between passes, see ``codegen``).
+  ``roots<k>[i]`` (taken for the whole chunk between passes, see ``codegen``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class KernelLowering(Lowering):
         return self.fmt("({} or {})", x, y)
 
     def sqrt(self, x):
-        # the argument is bound here (a pass stores it); the root is read from the block's
+        # the argument is bound here (a pass stores it); the root is read from the chunk's
         # buffer, which torch's routine (or its emulation) fills between passes
         k = len(self.sqrt_cuts)
         self.records.append(Record(f"arg{k}", x, uses_of(x)))
@@ -157,20 +157,20 @@ class KernelLowering(Lowering):
 
 @dataclass(frozen=True)
 class Pass:
-    """One loop over a block: the inputs it loads and the records it runs, in order."""
+    """One loop over a chunk: the inputs it loads and the records it runs, in order."""
 
     loads: list
     records: list
 
 
 def sqrt_passes(lowering: KernelLowering, targets) -> tuple[list, list]:
-    """``(early, passes)`` for a block of a program with a ``sqrt``.
+    """``(early, passes)`` for a chunk of a program with a ``sqrt``.
 
     ``passes[k]`` (``k`` < the number of roots) binds the ``k``-th root's argument ``arg<k>``;
     the last pass computes what the targets' final values need. Every pass runs only the
     records its outputs depend on (a backward slice). ``early``: the targets whose final value
     pass 0 computes, which pass 0 stores (Adam's moments); later passes read those back (the
-    block is in cache) instead of recomputing them from the inputs. A target whose original
+    chunk is in cache) instead of recomputing them from the inputs. A target whose original
     value a later pass still needs is not stored early.
     """
     records = lowering.records

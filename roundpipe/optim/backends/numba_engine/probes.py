@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 
-from .config import EMULATION_FEATURES, SQRT_BLOCK, SQRT_KINDS, VML_MODE, import_numba
+from .config import EMULATION_FEATURES, SQRT_CHUNK, SQRT_KINDS, VML_MODE, import_numba
 
 logger = logging.getLogger("roundpipe.optim")
 
@@ -139,8 +139,8 @@ def _measure_sqrt():
     if address:
         fn = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(address)
         out = torch.empty_like(x)
-        for lo in range(0, x.numel(), SQRT_BLOCK):  # in the kernels' blocks
-            n = min(SQRT_BLOCK, x.numel() - lo)
+        for lo in range(0, x.numel(), SQRT_CHUNK):  # in the kernels' chunks
+            n = min(SQRT_CHUNK, x.numel() - lo)
             fn(n, x.data_ptr() + 4 * lo, out.data_ptr() + 4 * lo, VML_MODE)
         if np.array_equal(float_bits(out.numpy()), want):
             return address, "MKL vmsSqrt, as torch.sqrt (bit for bit on the probe)", True

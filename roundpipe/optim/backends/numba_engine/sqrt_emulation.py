@@ -2,7 +2,7 @@
 intrinsic ``emulated_sqrt_<isa>(src, dst)`` computes, on the ``SQRT_LANES`` float32 at address
 ``src``, the sequence one of MKL's HA kernels runs on its main path, stores the roots at
 ``dst`` and returns non-zero when a lane is off that path (the kernel then hands the whole
-block to torch's routine). A kernel uses one only where the probe (``probes.find_sqrt_kind``)
+chunk to torch's routine). A kernel uses one only where the probe (``probes.find_sqrt_kind``)
 finds it equal to ``torch.sqrt`` bit for bit. The sequences, and how they were checked:
 docs/numba-engine.md.
 """

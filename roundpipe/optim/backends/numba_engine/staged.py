@@ -61,7 +61,7 @@ def root_kind() -> str:
 
 
 def _run_root(kind, x, out):
-    """Runs ``kind``'s exact rsqrt on the float32 tensor ``x`` into ``out`` (in blocks as the
+    """Runs ``kind``'s exact rsqrt on the float32 tensor ``x`` into ``out`` (in chunks as the
     kernels take them, the last one short)."""
     intrinsic = ROOT_INTRINSICS[kind]
     # (jit_module wants both kernels; only the serial one is compiled)
@@ -132,7 +132,7 @@ def _about(program) -> tuple:
     order, ``lerp_weights`` and ``clamped_quotients`` (one lookup a launch)."""
     hit = _abouts.get(program)
     if hit is None:
-        shaped = next(t for t in program.tensors if t not in dict(program.shapes))
+        shaped = next(t for t in program.tensors if t not in dict(program.kinds))
         reduces = tuple((st.name, st.dim) for st in program.statements if isinstance(st, Reduce))
         column_norms = any(dim == -2 for _, dim in reduces)
         hit = (shaped, column_norms, reduces, lerp_weights(program), clamped_quotients(program))

@@ -47,24 +47,24 @@ def clamped_quotients(program) -> tuple:
     normal result, zero, infinity and NaN is the correctly rounded one; a subnormal one may
     differ, and the clamp takes both to ``lo``. Multiplying costs a fraction of a float32
     division, the pass's dearest operation after the root."""
-    shapes = dict(program.shapes)
+    kinds = dict(program.kinds)
     floors = []
     for st in program.statements:
         for node in walk(st.expr):
-            if isinstance(node, Call) and node.fn == "clamp_min" and _clamped_quotient(*node.args, shapes):
+            if isinstance(node, Call) and node.fn == "clamp_min" and _clamped_quotient(*node.args, kinds):
                 if node.args[1].name not in floors:
                     floors.append(node.args[1].name)
     return tuple(floors)
 
 
-def _clamped_quotient(x, lo, shapes) -> bool:
+def _clamped_quotient(x, lo, kinds) -> bool:
     """Whether ``clamp_min(x, lo)`` is ``clamp_min(a / t, scalar)``, ``t`` one value per matrix."""
     return (
         isinstance(lo, Scalar)
         and isinstance(x, Bin)
         and x.op == "/"
         and isinstance(x.b, Tensor)
-        and shapes.get(x.b.name) == "matrices"
+        and kinds.get(x.b.name) == "matrices"
     )
 
 
@@ -81,11 +81,11 @@ class _Dialect(Lowering):
         super().__init__(program, variant, fused)
         self.names: dict = {}
         self.uses_fma = False
-        self.shapes = dict(program.shapes)
+        self.kinds = dict(program.kinds)
         self.normal_floors = {f for f, ok in zip(clamped_quotients(program), floors, strict=True) if ok}
         self.reciprocals: list = []  # broadcast inputs read as a float64 reciprocal, once per row
-        # where ``rsqrt`` is taken for a block (``block_root``): ``argument`` binds its argument
-        # (``self.root_arg``), ``root`` reads the block's result; ``inline`` divides by the root
+        # where ``rsqrt`` is taken for a chunk (``chunk_root``): ``argument`` binds its argument
+        # (``self.root_arg``), ``root`` reads the chunk's result; ``inline`` divides by the root
         self.root_mode = "inline"
         self.root_arg = None
 
@@ -117,7 +117,7 @@ class _Dialect(Lowering):
         return "roots[q]"
 
     def fn_clamp_min(self, x, lo):
-        if not (_clamped_quotient(x, lo, self.shapes) and lo.name in self.normal_floors):
+        if not (_clamped_quotient(x, lo, self.kinds) and lo.name in self.normal_floors):
             return super().fn_clamp_min(x, lo)
         t = x.b.name
         if t not in self.reciprocals:
@@ -162,7 +162,7 @@ def _indent(lines, depth):
     return ["    " * depth + line for line in lines]
 
 
-def _views(program, shapes, dtypes):
+def _views(program, kinds, dtypes):
     """Each tensor as a raw pointer: indexing one has no negative-index wraparound, which would
     keep LLVM from vectorizing the loops."""
     lines = []
@@ -172,9 +172,9 @@ def _views(program, shapes, dtypes):
     return lines
 
 
-def _loads(shapes):
+def _loads(kinds):
     where = {"rows": "r", "cols": "b * n + j", "matrices": "b"}
-    return {t: where[kind] for t, kind in shapes.items()}
+    return {t: where[kind] for t, kind in kinds.items()}
 
 
 def _setup(names):
@@ -192,8 +192,8 @@ def _rsqrts(program) -> int:
     return sum(isinstance(n, Call) and n.fn == "rsqrt" for st in program.statements for n in walk(st.expr))
 
 
-def _block_root(program, dialect, dtypes, loads, root):
-    """``(argument lines, call, root lines, stores)``: a block's loop binding the argument of the
+def _chunk_root(program, dialect, dtypes, loads, root):
+    """``(argument lines, call, root lines, stores)``: a chunk's loop binding the argument of the
     program's one ``rsqrt`` into ``roots``, the call taking them in place (``root``'s intrinsic),
     and the loop reading them; or None where the kernel divides by the root element by element
     (``root`` is ``divider``, or the program has no or several roots)."""
@@ -213,20 +213,20 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floo
     ``floor_variant`` of the launch's scalars; ``root``: how ``rsqrt`` is taken
     (``config.ROOT_KINDS``)."""
     dialect = _Dialect(program, variant, fused, floors)
-    shapes = dict(program.shapes)
-    loads = _loads(shapes)
-    blocks = _block_root(program, dialect, dtypes, loads, root)
+    kinds = dict(program.kinds)
+    loads = _loads(kinds)
+    chunks = _chunk_root(program, dialect, dtypes, loads, root)
     body, stores, reduced = _element_code(program, dialect, dtypes, "i", loads)
     names = (*sorted(dialect.scalars), *sorted(dialect.consts))
-    views = _views(program, shapes, dtypes)
+    views = _views(program, kinds, dtypes)
     # per row: the reciprocals of a matrix's broadcast values (``clamped_quotients``)
     per_row = [f"rcp_{t} = 1.0 / np.float64(v_{t}[{loads[t]}])" for t in dialect.reciprocals]
     if program.reductions:
         if program.targets:
             raise ValueError("a staged pass either assigns or reduces")
-        kernel = _reducing(program, body, reduced, lanes, order, names, views, per_row, blocks)
+        kernel = _reducing(program, body, reduced, lanes, order, names, views, per_row, chunks)
     else:
-        kernel = _elementwise(body, stores, names, views, per_row, blocks)
+        kernel = _elementwise(body, stores, names, views, per_row, chunks)
     low = sorted({d for d in dtypes.values() if d != "float32"})
     conversions = [f"{w}_{d}" for d in low for w in ("widen", "narrow")]
     lines = [
@@ -238,12 +238,12 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floo
         f"fused {sorted(dialect.fused)!r}, lanes {lanes}, "
         f"(column fma, tail fma) {order}, dtypes {sorted(dtypes.items())!r}"
         # (a divider's text as before the exact roots: the disk cache keeps its kernels)
-        + ("" if blocks is None else f", root {root}"),
+        + ("" if chunks is None else f", root {root}"),
         "import numpy as np",
         "from numba import prange",
         f"from {_PACKAGE}.intrinsics import f32ptr, u16ptr, fma, lane_add8, lane_add16, wide_vectors",
         *([f"from {_PACKAGE}.conversions import {', '.join(conversions)}"] if conversions else []),
-        *([f"from {_PACKAGE}.exact_root import {ROOT_INTRINSICS[root]}"] if blocks else []),
+        *([f"from {_PACKAGE}.exact_root import {ROOT_INTRINSICS[root]}"] if chunks else []),
         "",
         "",
         *kernel,
@@ -258,9 +258,9 @@ def generate(program, variant, fused, dtypes, lanes=8, order=(False, True), floo
     return "\n".join(lines) + "\n", tuple(sorted(dialect.scalars)), consts
 
 
-def _elementwise(body, stores, names, views, per_row, blocks=None):
+def _elementwise(body, stores, names, views, per_row, chunks=None):
     """Items ``(p, r0, r1, j0, j1)``: rows ``[r0, r1)`` of parameter ``p``, columns ``[j0, j1)``;
-    with ``blocks`` (``_block_root``), a row's columns in blocks of ``BLOCK``."""
+    with ``chunks`` (``_chunk_root``), a row's columns in chunks of ``CHUNK``."""
     head = [
         "def kernel_parallel(items, addresses, dims, scalar_rows, outs):",
         "    for it in prange(items.shape[0]):",
@@ -269,7 +269,7 @@ def _elementwise(body, stores, names, views, per_row, blocks=None):
         *_indent(_setup(names), 2),
         *_indent(views, 2),
     ]
-    if blocks is None:
+    if chunks is None:
         return [
             *head,
             "        for r in range(items[it, 1], items[it, 2]):",
@@ -281,25 +281,25 @@ def _elementwise(body, stores, names, views, per_row, blocks=None):
             *_indent(stores, 4),
             "",
         ]
-    argument, call, body, stores = blocks
+    argument, call, body, stores = chunks
     return [
-        "BLOCK = 512",
+        "CHUNK = 512",
         "",
         "",
         *head,
-        "        roots = np.empty(BLOCK, np.float32)",
+        "        roots = np.empty(CHUNK, np.float32)",
         "        for r in range(items[it, 1], items[it, 2]):",
         "            b = r // m",
         *_indent(per_row, 3),
-        "            for start in range(items[it, 3], items[it, 4], BLOCK):",
-        "                count = min(BLOCK, items[it, 4] - start)",
+        "            for start in range(items[it, 3], items[it, 4], CHUNK):",
+        "                count = min(CHUNK, items[it, 4] - start)",
         *_indent(_root_loops(argument, call, body + stores), 4),
         "",
     ]
 
 
 def _root_loops(argument, call, body):
-    """A block's two loops around the root's call (``_block_root``)."""
+    """A chunk's two loops around the root's call (``_chunk_root``)."""
     loop = ["for q in range(count):", "    j = start + q", "    i = r * n + j"]
     return [*loop, *_indent(argument, 1), call, *loop, *_indent(body, 1)]
 
@@ -318,20 +318,20 @@ def _tail_step(acc, v, index, length, tail_fma):
     ]
 
 
-def _reducing(program, body, reduced, lanes, order, names, views, per_row, blocks=None):
+def _reducing(program, body, reduced, lanes, order, names, views, per_row, chunks=None):
     """One parameter a thread; the reductions in torch's order (see the module docstring).
 
     Where the lanes of the whole-tensor norm line up with each row's (rows a whole number of
-    lanes long, or one row), a row is taken in blocks of ``BLOCK`` elements: a loop LLVM
-    vectorizes computes each block's squares (and adds the column sums), then the lane sums
+    lanes long, or one row), a row is taken in chunks of ``CHUNK`` elements: a loop LLVM
+    vectorizes computes each chunk's squares (and adds the column sums), then the lane sums
     take them in order. Elsewhere each element in turn (small matrices: ``(33, 17)``). A norm
-    over one element is its absolute value, as torch's. With ``blocks`` (``_block_root``), a
-    block takes its roots at once."""
+    over one element is its absolute value, as torch's. With ``chunks`` (``_chunk_root``), a
+    chunk takes its roots at once."""
     g = _norm_lines(program, reduced, lanes, order)
     row_finish = g["row_finish"]
-    loops = _squares_loops(body, g, blocks)
+    loops = _squares_loops(body, g, chunks)
     return [
-        "BLOCK = 512",
+        "CHUNK = 512",
         "",
         "",
         "def kernel_parallel(items, addresses, dims, scalar_rows, outs):",
@@ -354,8 +354,8 @@ def _reducing(program, body, reduced, lanes, order, names, views, per_row, block
         *_indent(per_row, 3),
         *_indent(g["row_start"], 3),
         "            if aligned:",
-        "                for start in range(0, cut, BLOCK):",
-        "                    count = min(BLOCK, cut - start)",
+        "                for start in range(0, cut, CHUNK):",
+        "                    count = min(CHUNK, cut - start)",
         *_indent(loops, 5),
         *_indent(g["lane_sums"], 5),
         *_indent(row_finish, 4),
@@ -377,13 +377,13 @@ def _reducing(program, body, reduced, lanes, order, names, views, per_row, block
     ]
 
 
-def _squares_loops(body, g, blocks):
-    """The loops computing an aligned block's squares (``_reducing``)."""
-    if blocks is None:
+def _squares_loops(body, g, chunks):
+    """The loops computing an aligned chunk's squares (``_reducing``)."""
+    if chunks is None:
         loop = ["for q in range(count):", "    j = start + q", "    i = r * n + j"]
         return [*loop, *_indent(body + g["square"], 1)]
-    g["init"].append("roots = np.empty(BLOCK, np.float32)")
-    return _root_loops(blocks[0], blocks[1], blocks[2] + g["square"])
+    g["init"].append("roots = np.empty(CHUNK, np.float32)")
+    return _root_loops(chunks[0], chunks[1], chunks[2] + g["square"])
 
 
 # the line groups of a reducing kernel, each spliced in at its place in ``_reducing``'s loops
@@ -422,7 +422,7 @@ def _lane_norm(g, k, v, out, dim, lanes, tail_fma):
     then the tail square by square."""
     sq = f"({v} * {v})"
     acc = f"acc{k}" if dim is None else f"ra{k}"
-    g["init"] += [f"{acc} = np.zeros({lanes}, np.float32)", f"sq{k} = np.empty(BLOCK, np.float32)"]
+    g["init"] += [f"{acc} = np.zeros({lanes}, np.float32)", f"sq{k} = np.empty(CHUNK, np.float32)"]
     g["square"].append(f"sq{k}[q] = {sq}")
     g["lane_sums"].append(f"lane_add{lanes}({acc}.ctypes.data, sq{k}.ctypes.data, count)")
     combine = [f"t{k} = {acc}[0]", f"for l in range(1, {lanes}):", f"    t{k} = t{k} + {acc}[l]"]

@@ -23,7 +23,8 @@ Where things live:
 * the API: ``roundpipe/optim/optimizer.py``; the public classes: ``roundpipe/optim/optimizers.py``,
   and bitsandbytes' 8-bit family (``Adam8bit`` ..., math in ``spec/eightbit.py``): ``eightbit.py``;
   loss scaling and clipping: ``roundpipe/optim/amp.py``; masters and partners:
-  ``roundpipe/optim/masters.py``.
+  ``roundpipe/optim/masters.py``; the end of a distributed rank (``shutdown_process_group``):
+  ``roundpipe/optim/shutdown.py``.
 """
 
 from .amp import GradScaler, clip_grad_norm_
@@ -58,6 +59,7 @@ from .optimizers import (
     RMSprop,
     Rprop,
 )
+from .shutdown import shutdown_process_group
 from .threads import get_num_threads, set_num_threads
 
 __all__ = [
@@ -94,6 +96,7 @@ __all__ = [
     "pair",
     "partner_of",
     "set_num_threads",
+    "shutdown_process_group",
     "unpair",
 ]
 

@@ -29,6 +29,7 @@ REVEALED = [
     "torch._tensor.Tensor",
     "torch._tensor.Tensor | None",
     "builtins.int",
+    "builtins.bool",
 ]
 
 

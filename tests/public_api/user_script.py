@@ -38,6 +38,7 @@ from roundpipe.optim import (
     pair,
     partner_of,
     set_num_threads,
+    shutdown_process_group,
     unpair,
 )
 
@@ -81,6 +82,7 @@ unpair(master)
 set_num_threads(2)
 set_num_threads(None)
 reveal_type(get_num_threads())
+reveal_type(shutdown_process_group())  # the end of a distributed rank
 
 # bitsandbytes' 8-bit family: classes with signatures of their own (eightbit.py)
 eight_bit = (

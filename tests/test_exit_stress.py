@@ -26,7 +26,8 @@ Opt-in: it takes about 12 s per pair on 2 cores, so CI's default pass leaves it 
 pairs: 144 rank runs of each); ``ROUNDPIPE_EXIT_STRESS_LAUNCH=subprocess`` or ``spawn`` runs
 one launcher only (both by default); ``ROUNDPIPE_EXIT_STRESS_SHUTDOWNS`` names the shutdowns,
 comma-separated (default ``plain,shutdown``; ``shutdown-held`` keeps the last model and
-optimizer alive across the call). See CONTRIBUTING.md.
+optimizer alive across the call); ``ROUNDPIPE_EXIT_STRESS_BUDGET_S`` starts no pair after that
+many seconds (the report counts the rank runs that ran). See CONTRIBUTING.md.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ import pytest
 PAIRS = int(os.environ.get("ROUNDPIPE_EXIT_STRESS", "0") or 0)
 LAUNCH = os.environ.get("ROUNDPIPE_EXIT_STRESS_LAUNCH", "")
 SHUTDOWNS = tuple(os.environ.get("ROUNDPIPE_EXIT_STRESS_SHUTDOWNS", "plain,shutdown").split(","))
+# no pair starts after this many seconds (0: no limit); the report counts what ran
+BUDGET_S = float(os.environ.get("ROUNDPIPE_EXIT_STRESS_BUDGET_S", "0") or 0)
 pytestmark = pytest.mark.skipif(
     PAIRS < 1, reason="opt-in stress test: ROUNDPIPE_EXIT_STRESS=<pairs per variant> (CONTRIBUTING.md)"
 )
@@ -194,8 +197,12 @@ def _run_pairs(tmp_path, launch):
     )
     counts, aborts = collections.Counter(), collections.defaultdict(list)
     running = []
+    deadline = time.monotonic() + BUDGET_S if BUDGET_S > 0 else None
     try:
         while jobs or running:
+            if deadline is not None and time.monotonic() > deadline and jobs:
+                print(f"exit stress: time budget of {BUDGET_S:.0f} s spent, {len(jobs)} pairs not started")
+                jobs.clear()
             while jobs and len(running) < PARALLEL:
                 running.append(_Pair(tmp_path, launch, *jobs.popleft()))
             time.sleep(0.2)

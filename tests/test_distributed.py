@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 from torch import nn
 
+from roundpipe.optim import shutdown_process_group
 from tests._util import (
     OPTIMIZER_NAMES,
     RICH_KWARGS,
@@ -108,8 +109,10 @@ def _worker(rank, port, out_dir):
         for name, backend in FSDP_CASES:
             results["fsdp"][f"{name}-{backend}"] = _fsdp_case(rank, name, backend)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    shutdown_process_group()  # not a bare destroy: docs/distributed.md, "Ending a rank"
 
 
 def _zero_case(rank, name, bucket_view, backend):

@@ -3,12 +3,14 @@
 Child processes (``spawn``-like: fresh interpreters) import torch and roundpipe, run a parallel
 step on the default engine (two threads, so numba's threading layer starts), a torch op, and a
 second step right after it, print what they loaded and exit normally, again and again while
-``SPINNERS`` processes keep every core busy. Two ranks on gloo do the same around a
-``barrier`` and ``destroy_process_group`` (the shape of the FSDP2 runs where a rank aborted at
-exit). Every child must exit with status 0, print no ``terminate called`` (C++
-``std::terminate``: a joinable ``std::thread`` destroyed, or a thread unwound out of a
-``noexcept`` function at exit), and run numba's OpenMP layer on torch's libgomp: one pool of
-threads for torch and the kernels (``threads.threading_report``).
+``SPINNERS`` processes keep every core busy. Two ranks on gloo do the same, an ``all_reduce``
+before the steps, and end with ``roundpipe.optim.shutdown_process_group()`` (the ending
+docs/distributed.md gives ranks; torch's own exit abort after a plain
+``destroy_process_group`` is ``tests/test_exit_shutdown.py``'s). Every child must exit with
+status 0, print no ``terminate called`` (C++ ``std::terminate``: a joinable ``std::thread``
+destroyed, or a thread unwound out of a ``noexcept`` function at exit), and run numba's OpenMP
+layer on torch's libgomp: one pool of threads for torch and the kernels
+(``threads.threading_report``).
 
 Bounded in time: the runs stop at ``BUDGET_S`` (each child is killed after ``CHILD_TIMEOUT_S``)
 and the spinners end by themselves (and are killed at the end). On an idle 2-core machine the
@@ -88,10 +90,11 @@ RANKS = _REPORT + textwrap.dedent(
         opt = ro.AdamW([p], lr=1e-3)
         opt.step()
         opt.step()
-        dist.barrier()
         _report(backend=opt.backend, rank=rank)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    ro.shutdown_process_group()  # not barrier + destroy: docs/distributed.md, "Ending a rank"
     """
 )
 

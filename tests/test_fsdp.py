@@ -67,6 +67,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 from torch import nn
 
+from roundpipe.optim import shutdown_process_group
 from tests._util import OPTIMIZER_NAMES, RICH_KWARGS, TOL, rp_class, torch_class
 
 WORLD_SIZE = 2
@@ -557,8 +558,10 @@ def _worker(rank, port, out_dir, substitute):
                         refusals[f"{label} / {backend}"] = f"the case itself failed: {_message(e)}"
         out = {"results": results, "refusals": refusals, "seconds": seconds}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    shutdown_process_group()  # not a bare destroy: docs/distributed.md, "Ending a rank"
 
 
 def _free_port():

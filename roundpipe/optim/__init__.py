@@ -24,7 +24,8 @@ Where things live:
   and bitsandbytes' 8-bit family (``Adam8bit`` ..., math in ``spec/eightbit.py``): ``eightbit.py``,
   bitsandbytes' per-parameter config (``GlobalOptimManager``): ``overrides.py``;
   loss scaling and clipping: ``roundpipe/optim/amp.py``; masters and partners:
-  ``roundpipe/optim/masters.py``.
+  ``roundpipe/optim/masters.py``; the end of a distributed rank (``shutdown_process_group``):
+  ``roundpipe/optim/shutdown.py``.
 """
 
 from .amp import GradScaler, clip_grad_norm_
@@ -60,6 +61,7 @@ from .optimizers import (
     Rprop,
 )
 from .overrides import GlobalOptimManager
+from .shutdown import shutdown_process_group
 from .threads import get_num_threads, set_num_threads
 
 __all__ = [
@@ -97,6 +99,7 @@ __all__ = [
     "pair",
     "partner_of",
     "set_num_threads",
+    "shutdown_process_group",
     "unpair",
 ]
 

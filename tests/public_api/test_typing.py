@@ -31,6 +31,7 @@ REVEALED = [
     "torch._tensor.Tensor",
     "torch._tensor.Tensor | None",
     "builtins.int",
+    "builtins.bool",
 ]
 
 

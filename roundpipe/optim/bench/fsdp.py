@@ -120,6 +120,8 @@ def _rank(rank, port, args, engines, out_dir):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
+    from roundpipe.optim.shutdown import shutdown_process_group
+
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
@@ -153,8 +155,10 @@ def _rank(rank, port, args, engines, out_dir):
                     out[(wname, name, engine, f"sharded N, {WORLD_SIZE} x 1 thread")] = _median_ms(samples)
                     del opt, params, bag
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    shutdown_process_group()  # not a bare destroy: docs/distributed.md, "Ending a rank"
 
 
 def main():

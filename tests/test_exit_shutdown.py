@@ -60,13 +60,30 @@ def _env():
 def ranks(tmp_path_factory):
     """{shutdown: [rank 0's report, rank 1's]} of one pair per shutdown, all started at once."""
     where = tmp_path_factory.mktemp("exit_shutdown")
+    endings = ("plain", "shutdown", "shutdown-held")
+    pairs = _run_pairs(
+        {
+            e: lambda r, port, e=e: ["rank", str(r), port, "roundpipe", "AdamW", str(where / e), e]
+            for e in endings
+        }
+    )
+    out = {}
+    for shutdown, pair in pairs.items():
+        for r, (code, err) in enumerate(pair):
+            assert code == 0, f"{shutdown}: rank {r} exited with {code}:\n{err[-3000:]}"
+        out[shutdown] = [json.loads((where / f"{shutdown}.r{r}.json").read_text()) for r in range(2)]
+    return out
+
+
+def _run_pairs(commands) -> dict:
+    """{name: [(returncode, stderr) of rank 0, of rank 1]}: a pair of ``tests._exit_rank``
+    processes for each ``commands[name](rank, port)`` (its arguments), all started at once."""
     procs = {}
-    for shutdown in ("plain", "shutdown", "shutdown-held"):
-        port, prefix = _port(), str(where / shutdown)
-        rank = [sys.executable, "-m", "tests._exit_rank", "rank"]
-        procs[shutdown] = [
+    for name, args in commands.items():
+        port = _port()
+        procs[name] = [
             subprocess.Popen(
-                [*rank, str(r), port, "roundpipe", "AdamW", prefix, shutdown],
+                [sys.executable, "-m", "tests._exit_rank", *args(r, port)],
                 cwd=ROOT,
                 env=_env(),
                 stdout=subprocess.PIPE,
@@ -76,16 +93,16 @@ def ranks(tmp_path_factory):
             for r in range(2)
         ]
     out = {}
-    for shutdown, pair in procs.items():
+    for name, pair in procs.items():
+        out[name] = []
         for r, p in enumerate(pair):
             try:
                 _, err = p.communicate(timeout=TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 for q in pair:
                     q.kill()
-                pytest.fail(f"{shutdown}: rank {r} did not finish in {TIMEOUT_S} s")
-            assert p.returncode == 0, f"{shutdown}: rank {r} exited with {p.returncode}:\n{err[-3000:]}"
-        out[shutdown] = [json.loads((where / f"{shutdown}.r{r}.json").read_text()) for r in range(2)]
+                pytest.fail(f"{name}: rank {r} did not finish in {TIMEOUT_S} s")
+            out[name].append((p.returncode, err))
     return out
 
 
@@ -123,32 +140,7 @@ def test_the_results_do_not_depend_on_the_shutdown(ranks):
 def _inflight_pairs():
     """{shutdown: [(returncode, stderr) of rank 0, of rank 1]} of the forced shape, both pairs
     at once."""
-    procs = {}
-    for shutdown in ("plain", "shutdown"):
-        port = _port()
-        procs[shutdown] = [
-            subprocess.Popen(
-                [sys.executable, "-m", "tests._exit_rank", "inflight", str(r), port, shutdown],
-                cwd=ROOT,
-                env=_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(2)
-        ]
-    out = {}
-    for shutdown, pair in procs.items():
-        out[shutdown] = []
-        for p in pair:
-            try:
-                _, err = p.communicate(timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                for q in pair:
-                    q.kill()
-                pytest.fail(f"inflight {shutdown}: a rank did not finish in {TIMEOUT_S} s")
-            out[shutdown].append((p.returncode, err))
-    return out
+    return _run_pairs({e: lambda r, port, e=e: ["inflight", str(r), port, e] for e in ("plain", "shutdown")})
 
 
 def test_a_collective_in_flight_at_exit_aborts_after_destroy_not_after_the_shutdown():

@@ -15,7 +15,8 @@ import logging
 import torch
 
 from ..backend_api import Backend
-from ..spec.ir import Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor
+from ..spec.ir import STOCHASTIC, Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor
+from ..storage import param_key, stochastic_round_
 from . import composed, segments
 from .torch_ops import BINARY, FUNCTIONS, norm, quantize_
 
@@ -65,6 +66,28 @@ def run_program(program, scalars, tensors):
     return reduced
 
 
+def run_stored(program, scalars, tensors, pid=None):
+    """``program`` (stored widened: ``Program.storage``) once on one parameter's ``tensors``:
+    each widened to float32, the program run on those (torch's float32 for-loop), each target
+    rounded back to its dtype (nearest even; a STOCHASTIC program's parameter stochastically,
+    from its id ``pid`` and this step's key, ``storage.py``)."""
+    wide = {n: t if t.dtype is torch.float32 else t.float() for n, t in tensors.items()}
+    run_program(program, scalars, wide)
+    for n in program.targets:
+        t = tensors[n]
+        if t is wide[n]:
+            continue
+        if n == "param" and program.storage == STOCHASTIC:
+            stochastic_round_(t, wide[n], param_key(step_key_of(scalars), pid))
+        else:
+            t.copy_(wide[n])
+
+
+def step_key_of(scalars) -> int:
+    """The step's key from its two 16-bit halves (``ir.STOCHASTIC_SCALARS``)."""
+    return (int(scalars["sr_hi"]) << 16) | int(scalars["sr_lo"])
+
+
 def run_staged(program, scalars, tensors):
     """A staged step's pass: ``run_program`` on each parameter in turn; their reductions. A
     partner's low-precision gradient is widened first: the fp32 master gradient torch steps."""
@@ -94,18 +117,23 @@ class ReferenceBackend(Backend):
         return functools.partial(run_staged, program, scalars, tensors)
 
     def _prepare(self, program, scalars, columns, cache=None):
+        ids = columns.get("sr_ids")
+        columns = {n: c for n, c in columns.items() if n != "sr_ids"}
         names = list(columns)
         rows = list(zip(*columns.values(), strict=True))
         work = [
-            (values, dict(zip(names, row, strict=True)))
+            (values, dict(zip(names, row, strict=True)), None if ids is None else ids[k])
             for values, start, stop in segments(scalars, len(rows))
-            for row in rows[start:stop]
+            for k, row in enumerate(rows[start:stop], start)
         ]
 
         def launch():
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("backend=reference: %d parameters, one at a time", len(rows))
-            for values, tensors in work:
-                run_program(program, values, tensors)
+            for values, tensors, pid in work:
+                if program.storage:
+                    run_stored(program, values, tensors, pid)
+                else:
+                    run_program(program, values, tensors)
 
         return launch

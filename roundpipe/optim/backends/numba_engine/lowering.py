@@ -163,7 +163,7 @@ class Pass:
     records: list
 
 
-def sqrt_passes(lowering: KernelLowering, targets) -> tuple[list, list]:
+def sqrt_passes(lowering: KernelLowering, targets, late=()) -> tuple[list, list]:
     """``(early, passes)`` for a chunk of a program with a ``sqrt``.
 
     ``passes[k]`` (``k`` < the number of roots) binds the ``k``-th root's argument ``arg<k>``;
@@ -171,13 +171,13 @@ def sqrt_passes(lowering: KernelLowering, targets) -> tuple[list, list]:
     records its outputs depend on (a backward slice). ``early``: the targets whose final value
     pass 0 computes, which pass 0 stores (Adam's moments); later passes read those back (the
     chunk is in cache) instead of recomputing them from the inputs. A target whose original
-    value a later pass still needs is not stored early.
+    value a later pass still needs is not stored early, nor any of ``late``.
     """
     records = lowering.records
     defs = {rec.local: rec for rec in records}
     cut0 = lowering.sqrt_cuts[0]
     in_first = {rec.local for rec in records[:cut0]}
-    early = [t for t in targets if lowering.current[t] in in_first]
+    early = [t for t in targets if lowering.current[t] in in_first and t not in late]
     originals = {lowering.value(t, 0): t for t in lowering.loads}
 
     def backward_slice(outputs, upto, free) -> Pass:

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from ..backend_api import Backend
+from ..spec.core import GRAD_FACTOR, factors_of
 from ..spec.ir import STOCHASTIC, Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor
 from ..storage import param_key, stochastic_round_
 from . import composed, segments
@@ -70,8 +71,12 @@ def run_stored(program, scalars, tensors, pid=None):
     """``program`` (stored widened: ``Program.storage``) once on one parameter's ``tensors``:
     each widened to float32, the program run on those (torch's float32 for-loop), each target
     rounded back to its dtype (nearest even; a STOCHASTIC program's parameter stochastically,
-    from its id ``pid`` and this step's key, ``storage.py``)."""
+    from its id ``pid`` and this step's key, ``storage.py``). A bfloat16 or float16 parameter's
+    own gradient is multiplied by the gradient factors in its dtype first (``unscaled``)."""
     wide = {n: t if t.dtype is torch.float32 else t.float() for n, t in tensors.items()}
+    grad, scalars = unscaled(tensors.get("grad"), tensors["param"], scalars)
+    if grad is not None:
+        wide["grad"] = grad.float()
     run_program(program, scalars, wide)
     for n in program.targets:
         t = tensors[n]
@@ -81,6 +86,19 @@ def run_stored(program, scalars, tensors, pid=None):
             stochastic_round_(t, wide[n], param_key(step_key_of(scalars), pid))
         else:
             t.copy_(wide[n])
+
+
+def unscaled(grad, param, scalars):
+    """``(grad, scalars)``: a widened step's own 16-bit gradient times its gradient factors
+    (``spec.core.gradient_factors``), each product rounded to its dtype as torch's unscale and
+    clip round ``p.grad`` in place, and the scalars with those factors 1 (exact: the program's
+    products in float32 then change nothing); ``(None, scalars)`` where there is nothing to do."""
+    factors = factors_of(scalars)
+    if not factors or grad is None or grad.dtype is torch.float32 or grad.dtype is not param.dtype:
+        return None, scalars
+    for f in factors:
+        grad = grad * f
+    return grad, {**scalars, **{f"{GRAD_FACTOR}{i}": 1.0 for i in range(len(factors))}}
 
 
 def step_key_of(scalars) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import threads
+from ..spec.core import GRAD_FACTOR, factors_of
 from ..spec.ir import STOCHASTIC, Assign, Bin, Const, Let, Scalar, Tensor
 from ..storage import param_key, stochastic_round_
 from .low_precision import LOW_PRECISION, torch_chunks
@@ -84,9 +85,15 @@ class TorchProgram:
         narrow = {}
         if self.storage:
             wide = self._wide_slots(m, [n for n, t in env_t.items() if t.dtype is not torch.float32])
+            own = "grad" in wide and flat["grad"].dtype is flat["param"].dtype  # (not a partner's)
+            factors = factors_of(scalars) if own else ()
             for name, slot in wide.items():
-                narrow[name] = env_t[name]
-                env_t[name] = slot.copy_(env_t[name])
+                narrow[name] = piece = env_t[name]
+                for f in factors if name == "grad" else ():  # (reference.unscaled: in its dtype)
+                    piece = piece * f
+                env_t[name] = slot.copy_(piece)
+            if factors:
+                scalars = {**scalars, **{f"{GRAD_FACTOR}{i}": 1.0 for i in range(len(factors))}}
         env_r = fslots if m == size else [s[:m] for s in fslots]
         env_b = bslots if m == size else [s[:m] for s in bslots]
         for ins in self.instrs:

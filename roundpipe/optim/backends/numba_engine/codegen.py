@@ -115,14 +115,16 @@ def generate(
         raise ValueError(f"dtype_names {dtype_names!r}: dtypes must be float32, bfloat16 or float16")
     if low is not None and (grad_dtype, partner_dtype) != ("float32", None):
         raise ValueError("a low-precision program has no pairing: dtype_names must be the default")
-    lowering = KernelLowering(program, variant, fused, low)
-    tensors = tuple(program.tensors) + (("partner",) if partner_dtype else ())
-    lowering.views.setdefault("partner", local_name("view", len(tensors) - 1, "partner"))
     if low is not None:
         storage = {t: low.name for t in program.tensors}
     else:
         storage = {t: d for t, d in (("grad", grad_dtype), ("partner", partner_dtype)) if d in LOW_PRECISION}
         storage.update(_stored(program, stored))
+    # a widened program's own 16-bit gradient (of the parameter's dtype; not a partner's)
+    own = storage.get("grad") if program.storage and storage.get("grad") == storage.get("param") else None
+    lowering = KernelLowering(program, variant, fused, low, own)
+    tensors = tuple(program.tensors) + (("partner",) if partner_dtype else ())
+    lowering.views.setdefault("partner", local_name("view", len(tensors) - 1, "partner"))
     stochastic = program.storage == _STOCHASTIC
     kernel = KernelParts(lowering, tuple(program.targets), tensors, storage, partner_dtype, stochastic)
     if stochastic:  # (its scalars: the step's key)
@@ -221,6 +223,7 @@ def _imports(kernel: KernelParts, chunk_intrinsics: list, emulations: list) -> l
             | ({f"narrow_{kernel.partner_dtype}"} if kernel.partner_dtype else set())
         ),
         *([f"round_{lowering.low.name}"] if lowering.uses_round else []),
+        *([f"round_{lowering.grad_rounding}"] if lowering.uses_grad_rounding else []),
         *(["narrow_bfloat16_sr", "sr_param_key"] if kernel.stochastic else []),
     ]
     lines = [f"from {_PACKAGE}.intrinsics import {', '.join(intrinsics)}"]

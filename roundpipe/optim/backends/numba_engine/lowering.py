@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...spec.core import is_factor_product
 from ...spec.ir import Assign, Let
 from ..formulas import Lowering
 
@@ -55,8 +56,12 @@ class Record:
 class KernelLowering(Lowering):
     """The shared formulas (formulas.py) in numba's dialect: the records of one iteration."""
 
-    def __init__(self, program, variant, fused, low=None):
+    def __init__(self, program, variant, fused, low=None, grad_rounding=None):
         super().__init__(program, variant, fused, low)
+        # a widened program's own 16-bit gradient: its factor products rounded to this dtype
+        # (spec.core.is_factor_product), by ``round_<dtype>``
+        self.grad_rounding = grad_rounding
+        self.uses_grad_rounding = False
         self.uses_fma = False
         self.uses_round = False  # a low-precision program's rounding intrinsic
         self.uses_tail = False  # whether a formula selects on the item's ``tail`` flag
@@ -135,6 +140,9 @@ class KernelLowering(Lowering):
     # -- statements ----------------------------------------------------------------------------
     def statement(self, st):
         code = self(st.expr)
+        if self.grad_rounding is not None and is_factor_product(st):
+            self.uses_grad_rounding = True
+            code = self.fmt("round_{}({})", self.grad_rounding, code)
         if isinstance(st, Let):
             name = local_name("let", len(self.lets), st.name)
             local = Code(name, {name})

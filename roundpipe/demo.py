@@ -3,6 +3,7 @@
     python -m roundpipe.demo [--steps 30] [--threads N] [--backend fast] [--compare fast:torch,...]
                              [--optimizer AdamW|Adafactor|AdamW8bit] [--small]
                              [--mixed float16|bfloat16 [--compute auto|16-bit|float32]]
+                             [--state-dtype bfloat16 | --dtype bfloat16 [--stochastic-rounding]]
 
 Identical copies of one model (``build_model``: token and position embeddings, pre-LayerNorm
 transformer blocks with separate q/k/v/o projections, an untied output head: about 29M
@@ -39,6 +40,10 @@ over torch's foreach and for-loop.
 ``--optimizer AdamW8bit`` trains with roundpipe's 8-bit AdamW against torch's fused fp32 AdamW
 and, where installed, bitsandbytes' AdamW8bit, and checks after every step that roundpipe's copy
 is bitsandbytes' bit for bit (``demo_eightbit.py``; 10 steps by default).
+
+``--state-dtype bfloat16`` trains the float32 model with AdamW's moments stored in bfloat16, and
+``--dtype bfloat16 [--stochastic-rounding]`` a pure bfloat16 model, each beside float32 AdamW
+(``demo_stored.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roundpipe import demo_eightbit, demo_mixed
+from roundpipe import demo_eightbit, demo_mixed, demo_stored
 from roundpipe import optim as rp_optim
 from roundpipe.demo_common import max_abs_diff, table, train_rotating
 from roundpipe.optim import backends as rp_backends
@@ -248,15 +253,40 @@ def parse_args(argv=None):
         help="with --mixed: the forward and backward in its dtype (16-bit) or in float32 from the "
         "16-bit parameters (default auto: float32 where a 16-bit matmul is slow on this CPU)",
     )
+    parser.add_argument(
+        "--state-dtype",
+        choices=("bfloat16",),
+        help="instead: AdamW with its moments stored in this dtype (state_dtype=) on the float32 "
+        "model, beside float32 moments and torch's fused step (roundpipe/demo_stored.py)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16",),
+        help="instead: a pure model of this dtype stepped as it is (torch's for-loop bit for bit), "
+        "beside float32 AdamW on a float32 copy (roundpipe/demo_stored.py)",
+    )
+    parser.add_argument(
+        "--stochastic-rounding",
+        action="store_true",
+        help="with --dtype: also a copy whose parameters are rounded stochastically "
+        "(stochastic_rounding=True), and whether it stayed closer to float32 than nearest rounding",
+    )
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 30
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-    if args.compute is not None and not args.mixed:
-        parser.error("--compute applies to --mixed only")
+    if args.compute is not None and not (args.mixed or args.dtype):
+        parser.error("--compute applies to --mixed and --dtype only")
     if args.mixed and args.optimizer != "AdamW":
         parser.error("--mixed trains with AdamW: drop --optimizer")
+    stored = args.state_dtype or args.dtype
+    if sum(map(bool, (args.mixed, args.state_dtype, args.dtype))) > 1:
+        parser.error("--mixed, --state-dtype and --dtype are different demos: pick one")
+    if args.stochastic_rounding and not args.dtype:
+        parser.error("--stochastic-rounding applies to --dtype bfloat16 only")
+    if stored and args.optimizer != "AdamW":
+        parser.error("--state-dtype and --dtype train with AdamW: drop --optimizer")
     args.compute = args.compute or "auto"
     if args.threads is not None:
         if args.threads < 1:
@@ -281,6 +311,8 @@ def main(argv=None) -> int:
     model = build_model(size)
     if args.mixed:
         return demo_mixed.run(args, model, data, gen, HYPER, batch, args.backend)
+    if args.state_dtype or args.dtype:
+        return demo_stored.run(args, model, data, gen, HYPER, batch, args.backend)
     sizes = sorted(p.numel() for p in model.parameters())
     runs = {}
     for name, make in kinds.items():

@@ -7,6 +7,10 @@ module adds:
 
 * a keyword-only ``backend=`` argument (and ``ROUNDPIPE_OPTIM_BACKEND``), not stored in
   ``defaults`` or ``param_groups``, so state dicts stay interchangeable with torch.optim;
+* the keyword-only ``state_dtype=`` and ``stochastic_rounding=`` (``storage.py``): the state
+  stored in another dtype than the parameter's, a bfloat16 parameter rounded stochastically;
+  ``state_dict()`` keeps the stream's seed (an entry torch.optim's ``load_state_dict`` ignores),
+  and ``load_state_dict`` stores the state it loads in the state dtype;
 * the contract's placeholders: ``foreach``/``fused`` are ignored with a warning,
   ``capturable=True``/``differentiable=True`` raise ``ValueError``;
 * ``step()``: torch's hooks around the step, which it hands to the step plan
@@ -26,9 +30,9 @@ from typing import ClassVar
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-from . import amp, backends, torch_support
+from . import amp, backends, storage, torch_support
 from .masters import partner_of
-from .plan import adopt_init_state, run_staged_step, run_step
+from .plan import adopt_init_state, run_staged_step, run_step, store_state
 from .spec.core import OptimizerSpec
 from .spec.staged import StagedSpec
 
@@ -38,6 +42,9 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
 
     spec: ClassVar[OptimizerSpec | StagedSpec | None] = None
     _roundpipe_backend: str
+    _roundpipe_storage: storage.Storage = storage.DEFAULT
+    _roundpipe_sr_seed: int = 0  # stochastic rounding: the stream's seed, and the steps taken on it
+    _roundpipe_sr_steps: int = 0
     # torch's GradScaler hands the unscale and its inf check to the step (amp.py)
     _step_supports_amp_scaling = True
     _roundpipe_folds_grad_factors = True
@@ -58,9 +65,22 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         """The name of the backend this optimizer runs on."""
         return self._roundpipe_backend
 
+    @property
+    def state_dtype(self) -> torch.dtype | None:
+        """The dtype of the state tensors (None: each parameter's own, as torch)."""
+        return self._roundpipe_storage.state_dtype
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether the bfloat16 parameters are rounded stochastically (``storage.py``)."""
+        return self._roundpipe_storage.stochastic
+
     def __getstate__(self):
         state = super().__getstate__()
         state["_roundpipe_backend"] = self._roundpipe_backend
+        for name in _STORAGE_ATTRIBUTES:
+            if name in self.__dict__:
+                state[name] = self.__dict__[name]
         return state
 
     def __setstate__(self, state):
@@ -70,11 +90,39 @@ class RoundpipeOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
 
     def __repr__(self):
-        return (
-            super()
-            .__repr__()
-            .replace(f"{type(self).__name__} (", f"{type(self).__name__} (backend={self.backend!r},", 1)
-        )
+        keywords = f"backend={self.backend!r},"
+        if self.state_dtype is not None:
+            keywords += f" state_dtype={self.state_dtype},"
+        if self.stochastic_rounding:
+            keywords += " stochastic_rounding=True,"
+        return super().__repr__().replace(f"{type(self).__name__} (", f"{type(self).__name__} ({keywords}", 1)
+
+    @torch._disable_dynamo
+    def state_dict(self):
+        """torch's ``state_dict()``; with stochastic rounding also ``"stochastic_rounding"``:
+        ``{"seed": int, "steps": int}``, the stream a resumed run continues (torch.optim's
+        ``load_state_dict`` ignores the entry)."""
+        sd = super().state_dict()
+        if self.stochastic_rounding:
+            sd[storage.SR_KEY] = {"seed": self._roundpipe_sr_seed, "steps": self._roundpipe_sr_steps}
+        return sd
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict) -> None:
+        """torch's ``load_state_dict``, the state then stored in the state dtype (a float32
+        checkpoint into ``state_dtype=torch.bfloat16``: rounded to nearest even). A checkpoint
+        with a stochastic rounding stream continues it (one without keeps this optimizer's)."""
+        stream = state_dict.get(storage.SR_KEY)
+        if stream is not None and self.stochastic_rounding:
+            seed, steps = stream["seed"], stream["steps"]
+            if type(seed) is not int or type(steps) is not int or steps < 0:
+                raise ValueError(f"state_dict[{storage.SR_KEY!r}] needs an int seed and steps: {stream!r}")
+        loaded = {k: v for k, v in state_dict.items() if k != storage.SR_KEY}
+        super().load_state_dict(loaded)
+        if self._roundpipe_storage != storage.DEFAULT and self.spec is not None:
+            store_state(self, self.spec, loaded)
+        if stream is not None and self.stochastic_rounding:
+            self._roundpipe_sr_seed, self._roundpipe_sr_steps = seed, steps
 
     def step(*args, **kwargs):  # noqa: N805 (``self`` is args[0], as in torch's wrapper)
         """Perform a single optimization step, as ``torch.optim``'s ``step`` does.
@@ -129,6 +177,8 @@ def _run_step(opt):
         if factors is not None:  # None: an inf or NaN under loss scaling, the step modifies nothing
             run = run_staged_step if isinstance(opt.spec, StagedSpec) else run_step
             run(opt, backends.get(opt._roundpipe_backend), factors)
+            if opt._roundpipe_storage.stochastic:
+                opt._roundpipe_sr_steps += 1  # the next step's random bits are the stream's next
     except BaseException:
         amp.drop_scaler_attributes(opt)  # a step that raised changed nothing, the scale included
         raise
@@ -208,16 +258,20 @@ def _disabled(fn):
 
 _PLACEHOLDER_WARN = ("foreach", "fused")
 _PLACEHOLDER_FALSE = ("capturable", "differentiable")
+_STORAGE_ATTRIBUTES = ("_roundpipe_storage", "_roundpipe_sr_seed", "_roundpipe_sr_steps")
+_KEYWORD = inspect.Parameter.KEYWORD_ONLY
+_OURS = (
+    inspect.Parameter("backend", _KEYWORD, default=None, annotation="str | None"),
+    inspect.Parameter("state_dtype", _KEYWORD, default=None, annotation="torch.dtype | None"),
+    inspect.Parameter("stochastic_rounding", _KEYWORD, default=False, annotation="bool"),
+)
 
 
 def _make_init(cls, torch_cls):
     torch_sig = inspect.signature(torch_cls.__init__)
-    backend_param = inspect.Parameter(
-        "backend", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None"
-    )
-    public_sig = torch_sig.replace(parameters=[*torch_sig.parameters.values(), backend_param])
+    public_sig = torch_sig.replace(parameters=[*torch_sig.parameters.values(), *_OURS])
 
-    def __init__(self, *args, backend=None, **kwargs):
+    def __init__(self, *args, backend=None, state_dtype=None, stochastic_rounding=False, **kwargs):
         bound = torch_sig.bind(self, *args, **kwargs)
         arguments = bound.arguments
         for opt in _PLACEHOLDER_FALSE:
@@ -235,9 +289,17 @@ def _make_init(cls, torch_cls):
                     stacklevel=2,
                 )
                 arguments[opt] = None
+        kept = _storage(cls, state_dtype, stochastic_rounding)
         self._roundpipe_backend = backends.resolve(backend)
         torch_cls.__init__(*bound.args, **bound.kwargs)
+        if kept != storage.DEFAULT:
+            _check_storage(cls, self.param_groups, kept)
+            self._roundpipe_storage = kept
+            if kept.stochastic:
+                self._roundpipe_sr_seed = storage.draw_seed()
         if self.state:  # state torch's __init__ created (Adagrad)
+            if kept != storage.DEFAULT:
+                store_state(self, self.spec)
             adopt_init_state(self, self.spec, backends.get(self._roundpipe_backend).flat_state_below)
         torch_support.check_groups(cls, self.param_groups)
 
@@ -245,3 +307,24 @@ def _make_init(cls, torch_cls):
     __init__.__qualname__ = f"{cls.__name__}.__init__"
     __init__.__doc__ = torch_cls.__init__.__doc__
     return __init__
+
+
+def _storage(cls, state_dtype, stochastic_rounding) -> storage.Storage:
+    """The checked keywords (``storage.Storage``); the staged optimizers take neither."""
+    kept = storage.check_keywords(cls.__name__, state_dtype, stochastic_rounding)
+    if kept != storage.DEFAULT and isinstance(cls.spec, StagedSpec):
+        raise TypeError(
+            f"roundpipe.optim.{cls.__name__} does not take state_dtype or stochastic_rounding (its "
+            "step is staged: passes with torch ops between them); the elementwise optimizers do"
+        )
+    return kept
+
+
+def _check_storage(cls, param_groups, kept):
+    """Refuse, at construction, parameters the keywords cannot step (a step checks again)."""
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            problem = kept.problem(p.dtype)
+            if problem is not None:
+                where = f"roundpipe.optim.{cls.__name__}: param_groups[{gi}]['params'][{pi}]"
+                raise TypeError(f"{where}: {problem}")

@@ -2,12 +2,16 @@
 
 Each subclasses its ``torch.optim`` namesake and ``RoundpipeOptimizer`` (``optimizer.py``), which
 installs at class creation an ``__init__`` with the installed torch's own signature plus the
-keyword-only ``backend``: the arguments, defaults, errors, ``param_groups`` and ``state_dict`` are
-torch's. The ``__init__`` declared under ``TYPE_CHECKING`` is that signature written out for type
-checkers and editors (torch 2.13's, which a test holds against the installed torch); it never
-runs. ``backend``: ``"fast"`` (the default), ``"fast:numba"``, ``"fast:torch"``,
-``"fast:numexpr"`` or ``"reference"`` (``roundpipe.optim.backends``); None reads
-``ROUNDPIPE_OPTIM_BACKEND``.
+keyword-only ``backend``, ``state_dtype`` and ``stochastic_rounding``: the arguments, defaults,
+errors, ``param_groups`` and ``state_dict`` are torch's. The ``__init__`` declared under
+``TYPE_CHECKING`` is that signature written out for type checkers and editors (torch 2.13's,
+which a test holds against the installed torch); it never runs. ``backend``: ``"fast"`` (the
+default), ``"fast:numba"``, ``"fast:torch"``, ``"fast:numexpr"`` or ``"reference"``
+(``roundpipe.optim.backends``); None reads ``ROUNDPIPE_OPTIM_BACKEND``. ``state_dtype``: the
+dtype of the state tensors (None: each parameter's, as torch; ``torch.bfloat16``: moments at 2
+bytes an element, stepped in float32);
+``stochastic_rounding``: bfloat16 parameters rounded stochastically (``roundpipe.optim.storage``).
+Adafactor and Muon take neither.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class Adadelta(RoundpipeOptimizer, torch.optim.Adadelta):
             maximize: bool = False,
             differentiable: bool = False,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -83,6 +89,8 @@ class Adafactor(RoundpipeOptimizer, torch.optim.Adafactor):
             foreach: bool | None = None,
             maximize: bool = False,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -108,6 +116,8 @@ class Adagrad(RoundpipeOptimizer, torch.optim.Adagrad):
             differentiable: bool = False,
             fused: bool | None = None,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -135,6 +145,8 @@ class Adam(RoundpipeOptimizer, torch.optim.Adam):
             fused: bool | None = None,
             decoupled_weight_decay: bool = False,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -159,6 +171,8 @@ class Adamax(RoundpipeOptimizer, torch.optim.Adamax):
             differentiable: bool = False,
             capturable: bool = False,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -185,6 +199,8 @@ class AdamW(RoundpipeOptimizer, torch.optim.AdamW):
             differentiable: bool = False,
             fused: bool | None = None,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -210,6 +226,8 @@ class ASGD(RoundpipeOptimizer, torch.optim.ASGD):
             capturable: bool = False,
             *,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -236,6 +254,8 @@ class NAdam(RoundpipeOptimizer, torch.optim.NAdam):
             capturable: bool = False,
             differentiable: bool = False,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -261,6 +281,8 @@ class RAdam(RoundpipeOptimizer, torch.optim.RAdam):
             capturable: bool = False,
             differentiable: bool = False,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -287,6 +309,8 @@ class RMSprop(RoundpipeOptimizer, torch.optim.RMSprop):
             differentiable: bool = False,
             *,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -310,6 +334,8 @@ class Rprop(RoundpipeOptimizer, torch.optim.Rprop):
             maximize: bool = False,
             differentiable: bool = False,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -335,6 +361,8 @@ class SGD(RoundpipeOptimizer, torch.optim.SGD):
             differentiable: bool = False,
             fused: bool | None = None,
             backend: str | None = None,
+            state_dtype: torch.dtype | None = None,
+            stochastic_rounding: bool = False,
         ) -> None: ...
 
 
@@ -365,4 +393,6 @@ if TYPE_CHECKING or "Muon" in STAGED_SPECS:
                 adjust_lr_fn: str | None = None,
                 *,
                 backend: str | None = None,
+                state_dtype: torch.dtype | None = None,
+                stochastic_rounding: bool = False,
             ) -> None: ...

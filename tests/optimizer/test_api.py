@@ -44,11 +44,10 @@ def test_subclasses(name):
 def test_signature(name):
     ours = list(inspect.signature(rp_class(name)).parameters.values())
     theirs = list(inspect.signature(torch_class(name)).parameters.values())
-    assert ours[:-1] == theirs
-    last = ours[-1]
-    assert last.name == "backend"
-    assert last.kind is inspect.Parameter.KEYWORD_ONLY
-    assert last.default is None
+    assert ours[:-3] == theirs
+    added = [(p.name, p.kind, p.default) for p in ours[-3:]]
+    kw = inspect.Parameter.KEYWORD_ONLY
+    assert added == [("backend", kw, None), ("state_dtype", kw, None), ("stochastic_rounding", kw, False)]
 
 
 def test_docstring(name):

@@ -106,10 +106,11 @@ def _declared_parameters(fn):
 
 @pytest.mark.parametrize("name", sorted(ALL_SPECS))
 def test_declared_init_is_the_signature_it_runs_with(name):
-    """The declaration (torch 2.13's signature, or bitsandbytes 0.50's, and ``backend``) names the
-    same parameters, kinds and defaults as the ``__init__`` the class runs with on the installed
-    torch, except parameters an older torch of the supported range lacks (declared, not accepted
-    there) and the ``is_paged`` a ``Paged`` 8-bit class lacks (it declares its base's)."""
+    """The declaration (torch 2.13's signature, or bitsandbytes 0.50's, and ``backend``; the torch
+    family's also ``state_dtype`` and ``stochastic_rounding``) names the same parameters, kinds
+    and defaults as the ``__init__`` the class runs with on the installed torch, except
+    parameters an older torch of the supported range lacks (declared, not accepted there) and
+    the ``is_paged`` a ``Paged`` 8-bit class lacks (it declares its base's)."""
     runtime = [
         (p.name, p.kind, p.default)
         for p in list(inspect.signature(getattr(ro, name).__init__).parameters.values())[1:]
@@ -117,7 +118,9 @@ def test_declared_init_is_the_signature_it_runs_with(name):
     declared = _declared_parameters(_declared_init(name))
     names = {n for n, _, _ in runtime}
     assert [d for d in declared if d[0] in names] == runtime
-    assert runtime[-1][:2] == ("backend", inspect.Parameter.KEYWORD_ONLY)
+    ours = ("backend",) if name in EIGHTBIT_SPECS else ("backend", "state_dtype", "stochastic_rounding")
+    kw = inspect.Parameter.KEYWORD_ONLY
+    assert [p[:2] for p in runtime[-len(ours) :]] == [(n, kw) for n in ours]
 
 
 def test_py_typed_ships_with_the_package():

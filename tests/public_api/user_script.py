@@ -47,6 +47,8 @@ optimizers: list[RoundpipeOptimizer] = [
     RMSprop(params, centered=True, momentum=0.9),
     Rprop(params, etas=(0.5, 1.2), step_sizes=(1e-6, 50)),
     SGD(params, lr=0.1, momentum=0.9, nesterov=True, backend="reference"),
+    AdamW(params, state_dtype=torch.bfloat16),
+    AdamW(list(model.bfloat16().parameters()), stochastic_rounding=True, state_dtype=None),
 ]
 reveal_type(opt.backend)
 opt.step()

@@ -120,7 +120,8 @@ def composed(prepare, program, scalars, columns, cache):
 
     partners = columns.get("partner")
     grads = columns.get("grad")
-    # (a bfloat16 parameter's own gradient is bfloat16 too: no pairing, nothing to widen)
+    # (a bfloat16 parameter's own gradient is bfloat16 too: no pairing, nothing to widen; a
+    # program stored widened widens it itself)
     low = bool(grads) and grads[0].dtype is not columns.get("param", grads)[0].dtype
     if partners is None and not low:
         return prepare(program, scalars, columns, cache)

@@ -332,6 +332,12 @@ class FastBackend(Backend):
         return handle.rebind(self._numba, scalars, grads)
 
     def _prepare_batched(self, engine, program, scalars, columns, cache):
+        if engine == "numexpr" and program.storage:
+            raise TypeError(
+                "roundpipe.optim backend='fast:numexpr' does not take state_dtype or stochastic_rounding "
+                "(its expressions read and write float32 arrays only); use backend='fast' (numba) or "
+                "'fast:torch'"
+            )
         if engine == "numexpr" and columns["param"] and columns["param"][0].dtype in LOW_PRECISION:
             raise TypeError(
                 f"roundpipe.optim backend='fast:numexpr' does not step {columns['param'][0].dtype} "
@@ -381,8 +387,10 @@ class FastBackend(Backend):
         if batching is None or batching[0] is not params:
             numels = [p.numel() for p in params]
             # bfloat16 and float16 tensors are never gathered: torch's last elements of each
-            # tensor round otherwise (its scalar tail, low_precision.py)
+            # tensor round otherwise (its scalar tail, low_precision.py); nor are parameters
+            # rounded stochastically (their random bits are their own elements')
             below = SMALL_NUMEL if not params or params[0].dtype is torch.float32 else 0
+            below = 0 if "sr_ids" in columns else below
             small = [i for i, n in enumerate(numels) if 0 < n < below]
             large = [i for i, n in enumerate(numels) if n >= below]
             if len(small) == 1:

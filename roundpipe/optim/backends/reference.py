@@ -15,7 +15,9 @@ import logging
 import torch
 
 from ..backend_api import Backend
-from ..spec.ir import Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor
+from ..spec.core import GRAD_FACTOR, factors_of
+from ..spec.ir import STOCHASTIC, Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor
+from ..storage import param_key, stochastic_round_
 from . import composed, segments
 from .torch_ops import BINARY, FUNCTIONS, norm, quantize_
 
@@ -65,6 +67,45 @@ def run_program(program, scalars, tensors):
     return reduced
 
 
+def run_stored(program, scalars, tensors, pid=None):
+    """``program`` (stored widened: ``Program.storage``) once on one parameter's ``tensors``:
+    each widened to float32, the program run on those (torch's float32 for-loop), each target
+    rounded back to its dtype (nearest even; a STOCHASTIC program's parameter stochastically,
+    from its id ``pid`` and this step's key, ``storage.py``). A bfloat16 or float16 parameter's
+    own gradient is multiplied by the gradient factors in its dtype first (``unscaled``)."""
+    wide = {n: t if t.dtype is torch.float32 else t.float() for n, t in tensors.items()}
+    grad, scalars = unscaled(tensors.get("grad"), tensors["param"], scalars)
+    if grad is not None:
+        wide["grad"] = grad.float()
+    run_program(program, scalars, wide)
+    for n in program.targets:
+        t = tensors[n]
+        if t is wide[n]:
+            continue
+        if n == "param" and program.storage == STOCHASTIC:
+            stochastic_round_(t, wide[n], param_key(step_key_of(scalars), pid))
+        else:
+            t.copy_(wide[n])
+
+
+def unscaled(grad, param, scalars):
+    """``(grad, scalars)``: a widened step's own 16-bit gradient times its gradient factors
+    (``spec.core.gradient_factors``), each product rounded to its dtype as torch's unscale and
+    clip round ``p.grad`` in place, and the scalars with those factors 1 (exact: the program's
+    products in float32 then change nothing); ``(None, scalars)`` where there is nothing to do."""
+    factors = factors_of(scalars)
+    if not factors or grad is None or grad.dtype is torch.float32 or grad.dtype is not param.dtype:
+        return None, scalars
+    for f in factors:
+        grad = grad * f
+    return grad, {**scalars, **{f"{GRAD_FACTOR}{i}": 1.0 for i in range(len(factors))}}
+
+
+def step_key_of(scalars) -> int:
+    """The step's key from its two 16-bit halves (``ir.STOCHASTIC_SCALARS``)."""
+    return (int(scalars["sr_hi"]) << 16) | int(scalars["sr_lo"])
+
+
 def run_staged(program, scalars, tensors):
     """A staged step's pass: ``run_program`` on each parameter in turn; their reductions. A
     partner's low-precision gradient is widened first: the fp32 master gradient torch steps."""
@@ -94,18 +135,23 @@ class ReferenceBackend(Backend):
         return functools.partial(run_staged, program, scalars, tensors)
 
     def _prepare(self, program, scalars, columns, cache=None):
+        ids = columns.get("sr_ids")
+        columns = {n: c for n, c in columns.items() if n != "sr_ids"}
         names = list(columns)
         rows = list(zip(*columns.values(), strict=True))
         work = [
-            (values, dict(zip(names, row, strict=True)))
+            (values, dict(zip(names, row, strict=True)), None if ids is None else ids[k])
             for values, start, stop in segments(scalars, len(rows))
-            for row in rows[start:stop]
+            for k, row in enumerate(rows[start:stop], start)
         ]
 
         def launch():
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("backend=reference: %d parameters, one at a time", len(rows))
-            for values, tensors in work:
-                run_program(program, values, tensors)
+            for values, tensors, pid in work:
+                if program.storage:
+                    run_stored(program, values, tensors, pid)
+                else:
+                    run_program(program, values, tensors)
 
         return launch

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import threads
-from ..spec.ir import Assign, Bin, Const, Let, Scalar, Tensor
+from ..spec.core import GRAD_FACTOR, factors_of
+from ..spec.ir import STOCHASTIC, Assign, Bin, Const, Let, Scalar, Tensor
+from ..storage import param_key, stochastic_round_
 from .low_precision import LOW_PRECISION, torch_chunks
 from .torch_ops import BINARY, COMPARISONS, FUNCTIONS
 
@@ -55,6 +57,8 @@ class TorchProgram:
     n_float: int
     n_bool: int
     chunk: int  # elements per chunk (``chunk_size``)
+    targets: tuple = ()
+    storage: str = ""  # the program's (ir.Program.storage): "" or stepped widened
     _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     def _slots(self, size: int, dtype=torch.float32):
@@ -71,16 +75,54 @@ class TorchProgram:
             slots = cache[dtype] = (size, f, b)
         return slots
 
-    def run_range(self, flat: dict, start: int, stop: int, scalars: dict):
-        """Run on elements ``[start, stop)`` of ``flat`` (name -> 1-D tensor) in place."""
+    def run_range(self, flat: dict, start: int, stop: int, scalars: dict, pid=None):
+        """Run on elements ``[start, stop)`` of ``flat`` (name -> 1-D tensor) in place. A program
+        stored widened reads the chunk of each tensor that is not float32 widened (into a slot
+        of its own), runs in float32 and rounds each such target back (``_store``)."""
         m = stop - start
-        size, fslots, bslots = self._slots(m, flat["param"].dtype)
+        size, fslots, bslots = self._slots(m, torch.float32 if self.storage else flat["param"].dtype)
         env_t = {name: t[start:stop] for name, t in flat.items()}
+        narrow = {}
+        if self.storage:
+            wide = self._wide_slots(m, [n for n, t in env_t.items() if t.dtype is not torch.float32])
+            own = "grad" in wide and flat["grad"].dtype is flat["param"].dtype  # (not a partner's)
+            factors = factors_of(scalars) if own else ()
+            for name, slot in wide.items():
+                narrow[name] = piece = env_t[name]
+                for f in factors if name == "grad" else ():  # (reference.unscaled: in its dtype)
+                    piece = piece * f
+                env_t[name] = slot.copy_(piece)
+            if factors:
+                scalars = {**scalars, **{f"{GRAD_FACTOR}{i}": 1.0 for i in range(len(factors))}}
         env_r = fslots if m == size else [s[:m] for s in fslots]
         env_b = bslots if m == size else [s[:m] for s in bslots]
         for ins in self.instrs:
             args = [_get(a, env_t, env_r, env_b, scalars) for a in ins.args]
             ins.op(*args, out=_get(ins.out, env_t, env_r, env_b, scalars))
+        for name in self.targets:
+            if name in narrow:
+                self._store(narrow[name], env_t[name], name, scalars, pid, start)
+
+    def _store(self, out, value, name, scalars, pid, start):
+        """A widened target's chunk back in its dtype: nearest even (``copy_``), or a STOCHASTIC
+        program's parameter rounded stochastically (its elements from ``start`` on)."""
+        if name == "param" and self.storage == STOCHASTIC:
+            key = (int(scalars["sr_hi"]) << 16) | int(scalars["sr_lo"])
+            stochastic_round_(out, value, param_key(key, pid), start)
+        else:
+            out.copy_(value)
+
+    def _wide_slots(self, size: int, names) -> dict:
+        """This thread's float32 copies of ``size`` elements of the tensors ``names`` (a widened
+        program's chunks of its 16-bit tensors)."""
+        cache = getattr(self._local, "wide", None)
+        if cache is None or cache[0] < size:
+            cache = self._local.wide = (size, {})
+        slots = cache[1]
+        for name in names:
+            if name not in slots:
+                slots[name] = torch.empty(cache[0])
+        return {name: slots[name][:size] for name in names}
 
     def run(self, tensors: dict, scalars: dict, chunk: int | None = None):
         """Run in place on ``tensors`` (name -> real float32 tensor, all the same shape)."""
@@ -92,19 +134,23 @@ class TorchProgram:
         threads taking chunks as they go, with torch's intra-op pool held at one thread (so each
         op is one plain loop, no parallel region). A bfloat16 or float16 unit is cut where the
         for-loop's ops cut it on torch's threads (``low_precision.torch_chunks``), whose tails
-        round otherwise, and its chunks (multiples of any vector loop's step) from there."""
+        round otherwise, and its chunks (multiples of any vector loop's step) from there; a
+        program stored widened is torch's float32 step (no such cuts). A unit's ``"sr_ids"``: its
+        parameter's id (stochastic rounding)."""
         chunk = chunk or self.chunk
         torch_threads = torch.get_num_threads()
         work = []
         for unit in units:
-            flat = {name: t.detach().view(-1) for name, t in unit.items()}
+            pid = unit.get("sr_ids")
+            flat = {name: t.detach().view(-1) for name, t in unit.items() if name != "sr_ids"}
             n = flat["param"].numel()
-            spans = torch_chunks(n, torch_threads) if flat["param"].dtype in LOW_PRECISION else [(0, n)]
+            low = flat["param"].dtype in LOW_PRECISION and not self.storage
+            spans = torch_chunks(n, torch_threads) if low else [(0, n)]
             for begin, end in spans:
-                work.extend((flat, lo, min(lo + chunk, end)) for lo in range(begin, end, chunk))
+                work.extend((flat, lo, min(lo + chunk, end), pid) for lo in range(begin, end, chunk))
 
         def one(item):
-            self.run_range(item[0], item[1], item[2], scalars)
+            self.run_range(item[0], item[1], item[2], scalars, item[3])
 
         with threads.torch_threads(1):
             threads.run_parallel(work, one, nthreads)
@@ -181,4 +227,11 @@ def compile_program(program) -> TorchProgram:
             lin.emit(st.expr, out=Ref("t", st.target))
     tensors = {a.key for ins in lin.instrs for a in (ins.out, *ins.args) if a.kind == "t"}
     n_arrays = len(tensors) + lin.count["r"] + (lin.count["b"] + 3) // 4  # a bool is 1 byte
-    return TorchProgram(tuple(lin.instrs), lin.count["r"], lin.count["b"], chunk_size(n_arrays))
+    return TorchProgram(
+        tuple(lin.instrs),
+        lin.count["r"],
+        lin.count["b"],
+        chunk_size(n_arrays),
+        tuple(program.targets),
+        program.storage,
+    )

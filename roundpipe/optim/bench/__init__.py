@@ -8,6 +8,8 @@
     python -m roundpipe.optim.bench --partners [bfloat16|float16] [--quick] [--optimizers ...]
                                     [--workloads large,small,transformer] [--busy N] [--repeats N]
                                     [--warmup N] [--threads N] [--json PATH]
+    python -m roundpipe.optim.bench --dtype bfloat16|float16 | --state-dtype bfloat16|float16
+                                    [the same options as --partners]
 
 For every optimizer and workload, the same parameters and gradients (seeded) are stepped by each
 engine, one column each, roundpipe's first (its default, ``fast``, leftmost):
@@ -36,6 +38,15 @@ torchao's 8-bit CPU steps (each where installed; bitsandbytes and torchao are im
 bench only, inside functions), with each column's bandwidth bound (16 bytes an element for 8-bit
 state), state bytes and peak extra memory per parameter (``eightbit_memory``: a subprocess per
 column), each roundpipe backend checked against bitsandbytes bit for bit.
+
+``--dtype bfloat16`` (or ``float16``) times 16-bit parameters, gradients and state stepped as
+they are: roundpipe against torch's for-loop on them (the ground truth, checked bit for bit
+first) and torch's fused step on them, which computes in float32 and rounds once (another
+result: its column says so, and the check counts where it differs). ``--state-dtype bfloat16``
+times fp32 parameters with bfloat16 state (``state_dtype=``) against roundpipe's fp32 state and
+torch's fused fp32 step, checked against its composition with torch's for-loop. Both show each
+configuration's state bytes per parameter and the bytes a step moves per element
+(``stored``).
 
 Workloads (``--workloads``, default all): ``large`` (4 x 16M fp32), ``small`` (about 2,000
 tensors of 0 to 1,024 elements), ``transformer`` (32000x512 embedding + 8 layers at d=512) and
@@ -118,7 +129,8 @@ probe, ``--busy`` workers, threads), ``report`` (tables, the summary, JSON, plot
 one-thread pass, ``main``).
 """
 
-from .cli import ALL_BACKENDS, machine_meta, main, parse_args, parse_backends, parse_names, run
+from .arguments import ALL_BACKENDS, parse_args, parse_backends, parse_names
+from .cli import machine_meta, main, run
 from .engine import FallbackWatch, fast_engine
 from .report import configs_of, derived, failures_of, format_tables, report, to_json
 from .timing import Row, bench_one, busy, measure_bandwidth, set_threads, thread_pools, timed_step

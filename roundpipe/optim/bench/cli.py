@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -20,7 +18,8 @@ import roundpipe.optim.threads as rp_threads
 from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
 
-from . import eightbit, first_use, partners
+from . import eightbit, first_use, partners, stored
+from .arguments import ALL_BACKENDS, parse_args  # noqa: F401 (the command line's, re-exported)
 from .eightbit_columns import OPTIMIZERS as EIGHTBIT_OPTIMIZERS
 from .engine import FallbackWatch, fast_engine
 from .report import failures_of, plot, report, to_json
@@ -36,30 +35,23 @@ from .timing import (
     thread_pools,
 )
 from .workloads import (
-    ALL_OPTIMIZERS,
-    DEFAULT_OPTIMIZERS,
     FOREACH,
     FUSED,
     LOOP,
     OPTIONS,
     SUMMARY_WORKLOADS,
-    WORKLOAD_NAMES,
-    WORKLOADS,
     check,
     check_kind,
     fastest_torch,
     has_foreach,
     has_fused,
     in_summary,
-    is_staged,
     label,
     make_workload,
     tensors_for,
     workload_parts,
 )
 
-# every roundpipe engine worth timing (``--backends all``): the default first
-ALL_BACKENDS = (rp_backends.DEFAULT, "fast:torch", "fast:numexpr", "reference")
 ENV_PREFIXES = ("ROUNDPIPE_", "OMP_", "NUMEXPR_", "MKL_", "NUMBA_")  # environment worth reporting
 
 
@@ -102,8 +94,8 @@ def run(args, busy_pids=()) -> dict:
     _log_settings(args, meta)
     parts = [w for name in args.workloads for w in workload_parts(name, args.quick)]
     parts = [w for k, w in enumerate(parts) if w.name not in {v.name for v in parts[:k]}]
-    if meta["partners"]:
-        meta["one_thread_skipped"] = "--partners times its own table"
+    if meta["partners"] or meta["stored"]:
+        meta["one_thread_skipped"] = "--partners, --dtype and --state-dtype time their own tables"
     else:
         meta["one_thread_skipped"] = one_thread_skipped(args, parts)
         if meta["one_thread_skipped"]:
@@ -159,6 +151,7 @@ def _run_meta(args, busy_pids, warmup, repeats, fused) -> dict:
         "options": {n: dict(OPTIONS[n]) for n in args.optimizers},
         "fused_available": fused,
         "partners": getattr(args, "partners", None),  # --partners: fused against composition
+        "stored": _stored_mode(args),  # --dtype, --state-dtype: (mode, dtype name) or None
         "amp": bool(getattr(args, "amp", False)),
         "after_backward": bool(getattr(args, "after_backward", False)),
         "argv": sys.argv[1:],
@@ -166,10 +159,21 @@ def _run_meta(args, busy_pids, warmup, repeats, fused) -> dict:
     }
 
 
+def _stored_mode(args):
+    """``("dtype" | "state_dtype", dtype name)`` of ``--dtype`` or ``--state-dtype`` (stored.py)."""
+    if getattr(args, "dtype", None):
+        return ("dtype", args.dtype)
+    if getattr(args, "state_dtype", None):
+        return ("state_dtype", args.state_dtype)
+    return None
+
+
 def _log_settings(args, meta) -> None:
     """One line of the threads, repetitions and engines a run times."""
     partners_dtype = meta["partners"]
     engines = f"{', '.join(args.backends)}, for-loop, foreach, fused"
+    if meta["stored"]:
+        engines = f"--{meta['stored'][0].replace('_', '-')} {meta['stored'][1]}"
     if partners_dtype:
         engines = f"{partners_dtype} partners: {', '.join(partners.CONFIGS)}"
         if meta["amp"]:
@@ -197,7 +201,12 @@ def _bench_workload(args, meta, wl, fused, before) -> dict:
             log(f"  [{wl.name}] {name}: {notes[name]}")
         if not keep:
             continue
-        if partners_dtype:
+        if meta["stored"]:
+            mode, dtype_name = meta["stored"]
+            row = stored.bench_row(
+                mode, name, dtype_name, fused[name], base_params, base_grads, warmup, repeats, wl.name, before
+            )
+        elif partners_dtype:
             row = partners.bench_row(
                 name,
                 partners_dtype,
@@ -223,7 +232,7 @@ def _bench_workload(args, meta, wl, fused, before) -> dict:
                 before,
             )
         gc.collect()
-        show = str if partners_dtype else label
+        show = str if partners_dtype or meta["stored"] else label
         times = ", ".join(f"{show(c)} {ms:.2f}" for c, ms in row.median_ms.items())
         log(f"  [{wl.name}] {name}: {times} ms  ({time.perf_counter() - t0:.1f}s)")
         rows.append(row)
@@ -317,71 +326,6 @@ def bench_row(backends, name, fused, wl, base_params, base_grads, warmup, repeat
     return row
 
 
-# ---------------------------------------------------------------------------------------------
-# command line
-
-
-def parse_names(text: str, valid, what: str) -> list[str]:
-    by_lower = {v.lower(): v for v in valid}
-    out = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if item.lower() not in by_lower:
-            raise argparse.ArgumentTypeError(f"unknown {what} {item!r}; valid: {', '.join(valid)}")
-        if by_lower[item.lower()] not in out:
-            out.append(by_lower[item.lower()])
-    if not out:
-        raise argparse.ArgumentTypeError(f"no {what} given")
-    return out
-
-
-def parse_backends(text: str) -> list[str]:
-    """``--backends``: names from ``backends.NAMES`` or ``all`` (``ALL_BACKENDS``), in order,
-    without repeats, the default (``fast``) moved first; a deprecated alias (``native``) is
-    accepted as the name it stands for, with a note."""
-    aliases = rp_backends.ALIASES
-    items = []
-    for item in text.split(","):
-        item = item.strip()
-        if item.lower() in aliases:
-            log(f"note: --backends {item} is the old name of {aliases[item.lower()]}")
-            item = aliases[item.lower()]
-        items.append(item)
-    names = parse_names(",".join(items), (*rp_backends.NAMES, "all"), "backend")
-    out = []
-    for b in names:
-        for one in ALL_BACKENDS if b == "all" else (b,):
-            if one not in out:
-                out.append(one)
-    return sorted(out, key=lambda b: b != rp_backends.DEFAULT)  # stable: the default first
-
-
-def _option(text: str) -> tuple[str, str, object]:
-    """``NAME.KEY=VALUE`` (``--option``) as ``(NAME, KEY, VALUE)``, VALUE a Python literal."""
-    import ast
-
-    target, sep, value = text.partition("=")
-    name, dot, key = target.partition(".")
-    if not (sep and dot and key):
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME.KEY=VALUE")
-    if name not in ALL_OPTIMIZERS:
-        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(ALL_OPTIMIZERS)}")
-    import inspect
-
-    known = [
-        k for k in inspect.signature(getattr(rp_optim, name)).parameters if k not in ("params", "backend")
-    ]
-    if key not in known:
-        raise argparse.ArgumentTypeError(f"{name} has no hyperparameter {key!r}; it has {', '.join(known)}")
-    try:
-        parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"{value!r} in {text!r} is not a Python literal") from None
-    return name, key, parsed
-
-
 @contextlib.contextmanager
 def _options(overrides):
     """``OPTIONS`` with ``--option``'s overrides for the run (the module dict every part reads),
@@ -395,159 +339,6 @@ def _options(overrides):
         for name, opts in saved.items():
             OPTIONS[name].clear()
             OPTIONS[name].update(opts)
-
-
-def parse_args(argv=None):
-    p = _parser()
-    args = p.parse_args(argv)
-    if args.workloads is None:
-        args.workloads = list(partners.WORKLOADS if args.partners else WORKLOADS)
-    if args.optimizers is None:  # --partners: the elementwise optimizers
-        args.optimizers = [n for n in DEFAULT_OPTIMIZERS if not (args.partners and is_staged(n))]
-    _check_args(p, args)
-    return args
-
-
-def _parser():
-    p = argparse.ArgumentParser(
-        prog="python -m roundpipe.optim.bench",
-        description="Time roundpipe.optim against torch.optim (for-loop, foreach, fused) on CPU; "
-        "or, with --first-use, what its first import and step cost.",
-    )
-    p.add_argument("--quick", action="store_true", help="a few minutes: fewer repetitions, smaller workloads")
-    p.add_argument(
-        "--optimizers",
-        type=lambda s: parse_names(s, (*ALL_OPTIMIZERS, *EIGHTBIT_OPTIMIZERS), "optimizer"),
-        default=None,
-        help=f"comma-separated from {','.join(ALL_OPTIMIZERS + EIGHTBIT_OPTIMIZERS)}, e.g. Adam,SGD "
-        "(default: all but Muon, whose step is mostly torch's bfloat16 Newton-Schulz matmuls, and "
-        "the 8-bit ones; with --partners: the elementwise ones, all but Adafactor and Muon); "
-        "AdamW8bit: roundpipe's against torch's fused fp32 AdamW, bitsandbytes' and torchao's "
-        "AdamW8bit (where installed), with state and peak memory per parameter",
-    )
-    p.add_argument(
-        "--workloads",
-        type=lambda s: parse_names(s, WORKLOAD_NAMES, "workload"),
-        default=None,
-        help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: {','.join(WORKLOADS)}; "
-        f"per_param = per_param_small,per_param_large; with --partners: {','.join(partners.WORKLOADS)})",
-    )
-    p.add_argument(
-        "--backends",
-        type=parse_backends,
-        default=[rp_backends.DEFAULT],
-        help=f"roundpipe backends to time, comma-separated from {','.join(rp_backends.NAMES)}, or all "
-        f"(= {','.join(ALL_BACKENDS)}); default: {rp_backends.DEFAULT}",
-    )
-    p.add_argument(
-        "--busy",
-        type=int,
-        default=0,
-        metavar="N",
-        help="keep N other processes busy (a pure-Python loop each) during the whole run (default 0)",
-    )
-    p.add_argument(
-        "--after-backward",
-        action="store_true",
-        help="run a forward and backward pass (torch, untimed) right before every timed step, as "
-        "in a training loop (default: steps back to back)",
-    )
-    p.add_argument("--repeats", type=int, help="round-robin repetitions (default 7, --quick 3)")
-    p.add_argument("--warmup", type=int, help="warm-up steps per configuration (default 2, --quick 1)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        help="set torch's and numexpr's thread counts (the whole run at that count: no one-thread pass)",
-    )
-    p.add_argument(
-        "--no-one-thread",
-        action="store_true",
-        help="skip the one-thread pass: by default, after the run, roundpipe's default backend and "
-        "torch's fastest path are timed again with every thread pool at one thread (as each rank "
-        f"of a torchrun launch, which sets OMP_NUM_THREADS=1), on {' and '.join(SUMMARY_WORKLOADS)}, "
-        "for the summary's one-thread column; skipped anyway with --threads or on one thread",
-    )
-    p.add_argument("--json", metavar="PATH", help="write all results (every sample) as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="draw a chart (needs matplotlib: the 'plot' extra)")
-    p.add_argument(
-        "--first-use",
-        action="store_true",
-        help="instead: time import roundpipe.optim, and the first step of the demo's model with an "
-        "empty (cold) and a filled (warm) kernel cache, each in fresh subprocesses",
-    )
-    p.add_argument(
-        "--partners",
-        nargs="?",
-        const="bfloat16",
-        choices=tuple(partners.DTYPES),
-        help="instead: fp32 masters paired with bfloat16 (the default) or float16 partners; time the "
-        "default backend's fused step against the composition (widen the grads, step, round back), "
-        "and torch's composition, after checking fused equals the composition bit for bit",
-    )
-    p.add_argument(
-        "--amp",
-        action="store_true",
-        help="with --partners: the whole optimizer phase of mixed-precision training, loss scaling "
-        "(float16) and clipping, folded into the fused step against the composition",
-    )
-    p.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        type=_option,
-        metavar="NAME.KEY=VALUE",
-        help="an optimizer's hyperparameter for this run, over the bench's (e.g. SGD.momentum=0: plain "
-        "SGD; the bench's SGD has momentum 0.9); repeatable",
-    )
-    p.add_argument(
-        "--model",
-        choices=("default", "small"),
-        default="default",
-        help="--first-use: the demo's model to step (default: default; small: tiny, for tests)",
-    )
-    return p
-
-
-def _check_args(p, args):
-    """What argparse cannot check alone: combinations and ranges (``p.error`` exits)."""
-    eight = [n for n in args.optimizers if n in EIGHTBIT_OPTIMIZERS]
-    if eight and (args.partners or args.first_use or args.plot):
-        p.error(f"{', '.join(eight)}: timed in the normal mode, without --partners, --first-use or --plot")
-    if args.partners:
-        if args.first_use:
-            p.error("--partners and --first-use are two different runs: give one")
-        others = [w for w in args.workloads if w not in partners.WORKLOADS]
-        if others:
-            p.error(f"--partners times {', '.join(partners.WORKLOADS)}, not {', '.join(others)}")
-        if args.backends != [rp_backends.DEFAULT]:
-            p.error(f"--partners times the default backend ({rp_backends.DEFAULT}): drop --backends")
-        if args.plot:
-            p.error("--plot draws the normal mode's times; --partners has its own table")
-        staged = [n for n in args.optimizers if is_staged(n)]
-        if staged:
-            p.error(f"--partners times the elementwise optimizers, not {', '.join(staged)}")
-    elif args.amp:
-        p.error("--amp times the optimizer phase around paired masters: give --partners too")
-    for b in args.backends:
-        try:
-            rp_backends.resolve(b)
-        except ImportError as e:  # fast:numba where numba cannot be imported
-            p.error(f"--backends {b}: {e}")
-    if args.repeats is not None and args.repeats < 1:
-        p.error("--repeats must be at least 1")
-    if args.warmup is not None and args.warmup < 0:
-        p.error("--warmup must be at least 0")
-    if args.busy < 0:
-        p.error("--busy must be at least 0")
-    if args.threads is not None and args.threads < 1:
-        p.error("--threads must be at least 1")
-    if args.plot and args.first_use:
-        p.error("--plot draws the workloads' times; --first-use has none")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        p.error(
-            "--plot needs matplotlib, which is not installed: pip install matplotlib "
-            "(or pip install -e '.[plot]'), or drop --plot"
-        )
 
 
 def main_first_use(args) -> int:
@@ -580,6 +371,8 @@ def main(argv=None) -> int:
         elif args.partners:
             text, doc = partners.report(result), partners.to_json(result)
             failures = partners.failures_of(result)
+        elif args.dtype or args.state_dtype:
+            text, doc, failures = stored.report(result), stored.to_json(result), stored.failures_of(result)
         else:
             text, doc = report(result, args.backends), to_json(result, args.backends)
             failures = failures_of(result, args.backends)

@@ -184,6 +184,8 @@ def header(result: dict, checked: str, legend: str) -> list[str]:
     if meta.get("numba"):
         versions += f", numba {meta['numba']} (NUMBA_NUM_THREADS {meta['numba_threads']})"
     mode = f", --partners {meta['partners']}" if meta.get("partners") else ""
+    if meta.get("stored"):
+        mode = f", --{meta['stored'][0].replace('_', '-')} {meta['stored'][1]}"
     load = meta["load_average_before"]
     out = [
         f"roundpipe.optim benchmark ({'quick' if meta['quick'] else 'full'}{mode}): {versions}",
@@ -446,7 +448,7 @@ def to_json(result: dict, backends, row_doc=None) -> dict:
                 for wl, res in one["workloads"].items()
             },
         }
-    if not result["meta"].get("partners"):  # --partners' rows have other columns
+    if not (result["meta"].get("partners") or result["meta"].get("stored")):  # (rows of other columns)
         doc["summary"] = summary_rows(result)
     return doc
 

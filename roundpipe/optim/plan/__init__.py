@@ -26,7 +26,8 @@ The modules, from the floor up (docs/step-plan.md has the design and the measure
   (duplicates, overlapping parameters, partners overlapping what the step reads);
 * ``units.py``: ``Unit`` and the bucketing of a group's parameters into units;
 * ``groups.py``: ``GroupPlan``, one param group's plan and its per-step gradient check;
-* ``state.py``: the state a plan reads, created, adopted into flat buffers, rolled back;
+* ``state.py``: the state a plan reads, created, adopted into flat buffers, stored in the
+  optimizer's state dtype, rolled back;
 * ``step_plan.py``: ``StepPlan`` and ``build``;
 * ``staged.py``: a step of a staged spec (Adafactor, Muon: ``spec/staged.py``), its passes
   and the Python between them, with the same all-or-nothing contract;
@@ -37,7 +38,7 @@ The modules, from the floor up (docs/step-plan.md has the design and the measure
 
 from .launches import run_step
 from .staged import run_staged_step
-from .state import adopt_flat_state, adopt_init_state, rollback
+from .state import adopt_flat_state, adopt_init_state, rollback, store_state
 from .step_plan import StepPlan, build
 
 __all__ = [
@@ -48,4 +49,5 @@ __all__ = [
     "rollback",
     "run_staged_step",
     "run_step",
+    "store_state",
 ]

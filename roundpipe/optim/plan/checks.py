@@ -21,11 +21,12 @@ _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 
-def tensor_problem(t, what: str, like=None, low_precision=False):
+def tensor_problem(t, what: str, like=None, low_precision=False, dtype=None):
     """``(exception class, message)`` if ``t`` breaks the contract, else None.
 
-    ``like``: the parameter whose dtype and shape ``t`` (a gradient or state tensor) must have.
-    ``low_precision``: a parameter (``like`` None) may also be bfloat16 or float16.
+    ``like``: the parameter whose dtype and shape ``t`` (a gradient or state tensor) must have
+    (``dtype``: another dtype, a state tensor's state dtype). ``low_precision``: a parameter
+    (``like`` None) may also be bfloat16 or float16.
     """
     if not isinstance(t, torch.Tensor):
         return KeyError, f"{what} is missing or not a tensor ({type(t).__name__})"
@@ -48,7 +49,10 @@ def tensor_problem(t, what: str, like=None, low_precision=False):
         return ValueError, f"{what} is on device {t.device}; only CPU tensors are supported"
     if t.layout != _STRIDED:
         return RuntimeError, f"{what} has layout {t.layout}; only dense tensors are supported (no sparse)"
-    problem = _dtype_problem(t, what, low_precision) if like is None else _unlike_problem(t, what, like)
+    if like is None:
+        problem = _dtype_problem(t, what, low_precision)
+    else:
+        problem = _unlike_problem(t, what, like, dtype)
     if problem is not None:
         return problem
     if not t.is_contiguous():
@@ -87,10 +91,11 @@ def _dtype_problem(t, what, low_precision=False):
     )
 
 
-def _unlike_problem(t, what, like):
-    if t.dtype != like.dtype:
+def _unlike_problem(t, what, like, dtype=None):
+    expected = like.dtype if dtype is None else dtype
+    if t.dtype != expected:
         # torch's ops raise RuntimeError on such a mismatch
-        return RuntimeError, f"{what} has dtype {t.dtype}, expected {like.dtype}"
+        return RuntimeError, f"{what} has dtype {t.dtype}, expected {expected}"
     if t.shape != like.shape:
         return RuntimeError, f"{what} has shape {tuple(t.shape)}, expected {tuple(like.shape)}"
     return None
@@ -124,16 +129,22 @@ def grads_ok(grads, shapes, dtypes) -> bool:
     )
 
 
-def check_state(cls_name, gi, indices, params, states, scalar_names, inputs):
-    """Raise on the first state entry a step would read that breaks the contract."""
+def check_state(cls_name, gi, indices, params, states, scalar_names, inputs, storage=None, deferred=()):
+    """Raise on the first state entry a step would read that breaks the contract: of its
+    parameter's shape, and dtype or state dtype (``storage``); float32 where ``deferred``
+    (``state.create_state``) says it is rounded to it after this step."""
+    later = {id(st[n]) for st, n, _ in deferred}
     for p, pi, st in zip(params, indices, states, strict=True):
         where = where_of(cls_name, gi, pi, p)
         for n in scalar_names:
             problem = scalar_state_problem(st.get(n), f": optimizer state {n!r}")
             if problem is not None:
                 raise_problem(problem, where)
+        dtype = None if storage is None else storage.state_dtype_of(p.dtype)
         for n in inputs:
-            problem = tensor_problem(st.get(n), f": optimizer state {n!r}", like=p)
+            t = st.get(n)
+            expected = torch.float32 if id(t) in later else dtype
+            problem = tensor_problem(t, f": optimizer state {n!r}", like=p, dtype=expected)
             if problem is not None:
                 raise_problem(problem, where)
 

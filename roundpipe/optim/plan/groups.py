@@ -61,9 +61,24 @@ class GroupPlan:
         "grad_nbytes",
         "grad_shapes",
         "grad_dtypes",
+        "storage",
+        "pids",
     )
 
-    def __init__(self, spec, gi, group, indices, params, states, init_flags, options, pairs=None):
+    def __init__(
+        self,
+        spec,
+        gi,
+        group,
+        indices,
+        params,
+        states,
+        init_flags,
+        options,
+        pairs=None,
+        storage=None,
+        pids=None,
+    ):
         # What a step reads is kept in tuples (one allocation each, where a list has two: a step
         # of one small parameter finds every one of them out of cache)
         params, states = tuple(params), tuple(states)
@@ -105,6 +120,9 @@ class GroupPlan:
         self.partners, self.grad_from_partner = pairs if pairs is not None else (None, None)
         if self.partners is not None:
             self._plan_partners(params)
+        self.storage = storage  # the optimizer's (storage.py), or None: the default
+        # each stepped parameter's position in the optimizer (state_dict's numbering)
+        self.pids = tuple(indices) if pids is None else pids
         self.units = bucket_units(self, init_flags)
 
     def _plan_partners(self, params):

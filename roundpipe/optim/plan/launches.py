@@ -19,6 +19,8 @@ import torch
 
 from ..backend_api import Backend
 from ..spec.core import Scratch
+from ..spec.ir import STOCHASTIC, stored
+from ..storage import step_scalars
 from ..tensors import Checked
 from .state import rollback
 from .step_plan import build
@@ -92,6 +94,9 @@ def run_step(opt, backend: Backend, factors=None) -> None:
         raise
     # Nothing has been written so far; every check has passed.
     _write_and_launch(writeback, ready)
+    for st, name, rounded in plan.deferred:  # (float32 this step, as the float32 step created it)
+        st[name] = rounded.copy_(st[name])
+    plan.deferred = []
     if not plan.valid_for_one_step and all(ln.sole_unit for ln in launches):
         plan.replay = _replay_of(backend, plan, launches)
 
@@ -115,7 +120,10 @@ def _unit_scalars(opt, gp, unit):
         computed = opt.spec.scalars(gp.group, scratch)
         # bools are flags (they select the program), the rest float scalars
         values = {k: v if type(v) is float else float(v) for k, v in computed.items() if type(v) is not bool}
-        if unit.dtype in _LOW_PRECISION and opt.spec.low_precision_scalars is not None:
+        if unit.storage:  # stepped widened: torch's float32 step, its scalars as float32's
+            if unit.storage == STOCHASTIC:
+                values.update(step_scalars(opt._roundpipe_sr_seed, opt._roundpipe_sr_steps))
+        elif unit.dtype in _LOW_PRECISION and opt.spec.low_precision_scalars is not None:
             zero_dim = unit.flags.get("zero_dim", False)
             values = opt.spec.low_precision_scalars(gp.group, values, unit.dtype, zero_dim)
     except (ValueError, TypeError, RuntimeError) as e:
@@ -159,12 +167,14 @@ def _schedule(opt, plan, grads, factors):
                 program = memo[1]
             else:
                 program = spec.program({**gp.options, **flags})
+                if unit.storage:
+                    program = stored(program, unit.storage)
                 plan.programs[unit] = (flags, program)
             grad_col = gp.grad_columns(group_grads, unit)
             # (a bfloat16 unit's program equals a float32 one's, but its launch rounds otherwise)
-            key = (program, unit.pairing, unit.dtype)
+            key = (program, unit.pairing, unit.dtype, unit.state_dtypes)
             by_program.setdefault(key, []).append((gp, unit, values, grad_col))
-    launches = [_launch(plan, program, pairing, parts) for (program, pairing, _), parts in by_program.items()]
+    launches = [_launch(plan, key[0], key[1], parts) for key, parts in by_program.items()]
     return writeback, launches
 
 
@@ -178,6 +188,8 @@ def _launch(plan, program, pairing, parts):
         static = {
             n: Checked(t for _, unit, _, _ in parts for t in unit.columns[n]) for n in names if n != "grad"
         }
+        if program.storage == STOCHASTIC:  # each parameter's id (ints, not tensors)
+            static["sr_ids"] = tuple(i for _, unit, _, _ in parts for i in unit.columns["sr_ids"])
         hit = plan.launch_caches[key] = (static, {})
     static, cache = hit
     columns = dict(static)

@@ -8,6 +8,7 @@ import operator
 from .. import masters
 from ..masters import partner_of, partner_problem
 from ..spec.core import Options
+from ..storage import DEFAULT
 from .checks import (
     check_duplicates,
     check_overlap,
@@ -35,6 +36,7 @@ class StepPlan:
         "launch_caches",
         "valid_for_one_step",
         "replay",
+        "deferred",
     )
 
     def __init__(self, opt, groups):
@@ -50,6 +52,9 @@ class StepPlan:
         # init flags (SGD's ``first``) hold for the step that created the state only
         self.valid_for_one_step = False
         self.replay = None  # what the next step may repeat (launches.Replay)
+        # state created in float32 that the step's launches read as such, rounded into its
+        # state dtype after them (state.create_state)
+        self.deferred: list = []
 
     def check(self, opt, spec):
         """This step's gradients per group, or None if the plan no longer holds."""
@@ -94,25 +99,35 @@ def build(opt, spec, backend=None):
     """
     name = type(opt).__name__
     state = opt.state
-    work = stepped_work(opt, low_precision=True)
+    storage = getattr(opt, "_roundpipe_storage", DEFAULT)
+    work = stepped_work(opt, low_precision=True, storage=storage)
     created = []  # (param, state dict, number of entries it had, whether it was added to state)
+    deferred: list = []  # (state dict, name, its tensor of the state dtype): see create_state
     below = backend.flat_state_below if backend is not None else 0
+    first_pid = 0  # a parameter's id: its position in the optimizer (state_dict's numbering)
     try:
         groups = []
         for gi, group, indices, params, pairs in work:
             options = spec.options(group)
             inputs = [n for n in spec.inputs(Options(options)) if n not in ("param", "grad")]
-            states, init_flags, new_positions = create_state(spec, group, params, state, created)
+            states, init_flags, new_positions = create_state(
+                spec, group, params, state, created, storage, deferred
+            )
             if len(new_positions) > 1:
                 # state nobody has seen yet is created in flat buffers; existing state (loaded,
                 # or the caller's) is always updated where it is
                 new_states = [states[i] for i in new_positions]
                 new_params = [params[i] for i in new_positions]
                 adopt_flat_state(new_params, new_states, inputs, below, spec.scalar_state)
-            check_state(name, gi, indices, params, states, spec.scalar_state, inputs)
-            groups.append(GroupPlan(spec, gi, group, indices, params, states, init_flags, options, pairs))
+            check_state(name, gi, indices, params, states, spec.scalar_state, inputs, storage, deferred)
+            pids = tuple(first_pid + pi for pi in indices)
+            first_pid += len(group["params"])
+            groups.append(
+                GroupPlan(spec, gi, group, indices, params, states, init_flags, options, pairs, storage, pids)
+            )
         check_partners(name, groups)
         plan = StepPlan(opt, groups)
+        plan.deferred = deferred
         plan.valid_for_one_step = bool(created)
     except BaseException:
         rollback(state, created)
@@ -120,15 +135,16 @@ def build(opt, spec, backend=None):
     return plan, [gp.current_grads() for gp in groups], created
 
 
-def stepped_work(opt, low_precision=False) -> list:
+def stepped_work(opt, low_precision=False, storage=DEFAULT) -> list:
     """Each param group's ``(gi, group, indices, params, pairs)`` (``stepped_params``), checked
     for a parameter listed twice and for parameters that overlap in memory. ``low_precision``:
     bfloat16 and float16 parameters are stepped as they are (the elementwise specs); else
-    refused (the staged ones)."""
+    refused (the staged ones). ``storage``: the optimizer's (``storage.py``), which some
+    parameters' dtypes refuse."""
     name = type(opt).__name__
     work, seen = [], set()
     for gi, group in enumerate(opt.param_groups):
-        indices, params, pairs = stepped_params(name, gi, group["params"], low_precision)
+        indices, params, pairs = stepped_params(name, gi, group["params"], low_precision, storage)
         check_duplicates(name, gi, indices, params, seen)
         seen.update(map(id, params))
         work.append((gi, group, indices, params, pairs))
@@ -136,7 +152,7 @@ def stepped_work(opt, low_precision=False) -> list:
     return work
 
 
-def stepped_params(cls_name, gi, group_params, low_precision=False):
+def stepped_params(cls_name, gi, group_params, low_precision=False, storage=DEFAULT):
     """The group's parameters this step updates, validated: ``(indices, params, pairs)``;
     ``pairs`` is ``(partners, grad_from_partner)`` (see GroupPlan) or None when no parameter
     has a partner (masters.py)."""
@@ -172,6 +188,9 @@ def stepped_params(cls_name, gi, group_params, low_precision=False):
         )
         if problem is not None:
             raise_problem(problem, where)
+        refused = storage.problem(p.dtype)
+        if refused is not None:
+            raise TypeError(f"{where}: {refused}")
     if partners is None:
         return indices, params, None
     return indices, params, ([partners[pi] for pi in indices], grad_from_partner)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..spec.core import Scratch
+from ..spec.ir import STOCHASTIC, WIDENED
 from ..tensors import contiguous_run, real
 
 # a unit's pairing (masters.py): (its gradients' dtype, its partners' dtype or None)
@@ -22,9 +23,11 @@ def _uses(t) -> int:
 
 
 class Unit:
-    """Parameters of one group whose 0-d state, init flags, pairing and dtype are equal: one
-    ``scalars`` call, and one launch's worth of tensors of one dtype (a bfloat16 or float16
-    parameter's ops round to its dtype: its launch is not a float32 one's)."""
+    """Parameters of one group whose 0-d state, init flags, pairing, dtype and state dtypes are
+    equal: one ``scalars`` call, and one launch's worth of tensors of one dtype each (a bfloat16
+    or float16 parameter's ops round to its dtype: its launch is not a float32 one's). ``storage``:
+    its program's (``ir.Program.storage``): "" or, stepped widened (``storage.py``), WIDENED or
+    STOCHASTIC."""
 
     # No reference back to the GroupPlan: a plan holds no reference cycle, so a replaced plan
     # is freed at once (its views of the flat buffers would otherwise skew ``scalar_uses``).
@@ -40,9 +43,11 @@ class Unit:
         "scalar_flat",
         "scalar_uses",
         "columns",
+        "state_dtypes",
+        "storage",
     )
 
-    def __init__(self, group_plan, positions, flags, pairing=NO_PAIRING, dtype=torch.float32):
+    def __init__(self, group_plan, positions, flags, pairing=NO_PAIRING, dtype=torch.float32, *more):
         self.positions = positions  # indices into group_plan.params
         # (plain bools in the unit's own slots: a step reads these instead of the lists)
         self.single_member = len(positions) < 2  # uniform by definition
@@ -51,6 +56,8 @@ class Unit:
         # (the gradients' dtype, the partners' dtype or None): one kind of pairing per unit
         self.pairing = pairing
         self.dtype = dtype  # the parameters' dtype (complex64: float32, as a backend steps it)
+        # the dtype of each input state tensor (in inputs' order), and ``storage``
+        self.state_dtypes, self.storage = more if more else ((), "")
         states = [group_plan.states[i] for i in positions]
         self.scalar_columns = {n: [st[n] for st in states] for n in group_plan.scalar_names}
         # each name's first member, whose value the step's scalars start from (all are equal)
@@ -71,6 +78,8 @@ class Unit:
             self.columns[name] = [real(st[name]) for st in states]
         if pairing[1] is not None:
             self.columns["partner"] = [group_plan.partners[i] for i in positions]
+        if self.storage == STOCHASTIC:  # (not a tensor column: each parameter's id, for its random bits)
+            self.columns["sr_ids"] = tuple(group_plan.pids[i] for i in positions)
 
     def uniform(self) -> bool:
         """Whether the members' 0-d state (``step``, ...) still holds one value per name, in
@@ -125,20 +134,31 @@ def bucket_units(gp, init_flags):
     n = len(gp.params)
     pairings = _pairings(gp)
     dtypes = [_step_dtype(d) for d in gp.dtypes]
+    state_dtypes = [tuple(st[m].dtype for m in gp.inputs) for st in states]
+    kinds = [_storage(gp.storage, d) for d in gp.dtypes]
     if (
         n
         and all(f == init_flags[0] for f in init_flags)
         and all(k == pairings[0] for k in pairings)
         and all(d is dtypes[0] for d in dtypes)
+        and all(d == state_dtypes[0] for d in state_dtypes)
+        and all(k == kinds[0] for k in kinds)
         and _uniform(states, names)
     ):
-        return [Unit(gp, list(range(n)), init_flags[0], pairings[0], dtypes[0])]
+        return [Unit(gp, list(range(n)), init_flags[0], pairings[0], dtypes[0], state_dtypes[0], kinds[0])]
     buckets: dict = {}
     for i, (st, flags) in enumerate(zip(states, init_flags, strict=True)):
         scalars = tuple((st[m].item(), st[m].dtype) for m in names)
-        key = (tuple(sorted(flags.items())), scalars, pairings[i], dtypes[i])
+        key = (tuple(sorted(flags.items())), scalars, pairings[i], dtypes[i], state_dtypes[i], kinds[i])
         buckets.setdefault(key, []).append(i)
-    return [Unit(gp, pos, dict(key[0]), key[2], key[3]) for key, pos in buckets.items()]
+    return [Unit(gp, pos, dict(key[0]), *key[2:]) for key, pos in buckets.items()]
+
+
+def _storage(storage, dtype) -> str:
+    """The ``Program.storage`` a parameter of ``dtype`` is stepped with (``storage.py``)."""
+    if storage is None or not storage.widened(dtype):
+        return ""
+    return STOCHASTIC if storage.stochastic else WIDENED
 
 
 def _step_dtype(dtype):

@@ -60,7 +60,7 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.optim.optimizer import _get_scalar_dtype, _get_value
 
-from .ir import Program, ProgramBuilder
+from .ir import Bin, Let, Program, ProgramBuilder, Scalar
 
 __all__ = [
     "OptimizerSpec",
@@ -153,6 +153,31 @@ def built_once(spec, options: dict, build):
             if hit is None:
                 hit = spec._cache[key] = build(Options(dict(options)))
     return hit
+
+
+GRAD_FACTOR = "grad_factor_"  # the scalars of ``gradient_factors``: grad_factor_0, 1 ...
+
+
+def factors_of(scalars) -> list:
+    """The values of a step's gradient factors (``gradient_factors``), in order."""
+    out = []
+    while f"{GRAD_FACTOR}{len(out)}" in scalars:
+        out.append(scalars[f"{GRAD_FACTOR}{len(out)}"])
+    return out
+
+
+def is_factor_product(st) -> bool:
+    """Whether statement ``st`` is one of ``gradient_factors``' products. A program stored widened
+    (``ir.Program.storage``) on a bfloat16 or float16 parameter's own gradient rounds each to the
+    gradient's dtype: torch's unscale and clip multiply ``p.grad`` in place, in its dtype."""
+    e = st.expr
+    return (
+        isinstance(st, Let)
+        and isinstance(e, Bin)
+        and e.op == "*"
+        and isinstance(e.b, Scalar)
+        and e.b.name.startswith(GRAD_FACTOR)
+    )
 
 
 def gradient_factors(b: ProgramBuilder, count: int) -> None:

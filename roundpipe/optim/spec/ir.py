@@ -40,6 +40,8 @@ it is built, so a typo in a spec fails the test suite, not a user's run.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 __all__ = [
@@ -55,6 +57,10 @@ __all__ = [
     "Quantize",
     "Program",
     "ProgramBuilder",
+    "STOCHASTIC",
+    "STOCHASTIC_SCALARS",
+    "WIDENED",
+    "stored",
     "add",
     "addcmul",
     "addcdiv",
@@ -343,6 +349,9 @@ class Program:
     targets: tuple
     reductions: tuple = ()  # the names of its ``norm`` statements, in order
     kinds: tuple = ()  # (input, kind) of its inputs of a kind: broadcast or quantized
+    # how its tensors are read and stored (``stored``): "" each op computed in the tensors'
+    # dtype as torch computes it; WIDENED or STOCHASTIC otherwise
+    storage: str = ""
 
     @property
     def blockwise(self) -> bool:
@@ -354,7 +363,7 @@ class Program:
         # the statement trees each time was a sizeable part of a small step: docs/benchmarks.md)
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.statements, self.tensors, self.scalars, self.targets, self.kinds))
+            h = hash((self.statements, self.tensors, self.scalars, self.targets, self.kinds, self.storage))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -370,7 +379,29 @@ class Program:
             kw = "let" if isinstance(st, Let) else "   "
             name = st.name if isinstance(st, Let) else st.target
             lines.append(f"{kw} {name} = {format_expr(st.expr)}")
+        if self.storage:
+            lines.append(f"(storage: {self.storage})")
         return "\n".join(lines)
+
+
+# A program's storage other than torch's own (``Program.storage``; ``roundpipe.optim.storage``):
+# every tensor read widened to float32, every op computed in float32 (torch's float32 for-loop),
+# every target stored rounded to its tensor's dtype, nearest even (WIDENED); or so, with the
+# parameter (bfloat16) rounded stochastically from the random bits of this step's key, the
+# scalars STOCHASTIC_SCALARS, the parameter's id and the element's index (STOCHASTIC)
+WIDENED = "widened"
+STOCHASTIC = "stochastic"
+STOCHASTIC_SCALARS = ("sr_hi", "sr_lo")  # the step's 32-bit key, as two exact 16-bit halves
+
+
+@functools.lru_cache(maxsize=1024)
+def stored(program: Program, storage: str) -> Program:
+    """``program`` with ``storage`` (WIDENED or STOCHASTIC): the same statements, another
+    program (its kernels and launches are its own)."""
+    if storage not in (WIDENED, STOCHASTIC) or program.storage:
+        raise ValueError(f"storage {storage!r} of a program stored as {program.storage!r}")
+    scalars = program.scalars + (STOCHASTIC_SCALARS if storage == STOCHASTIC else ())
+    return dataclasses.replace(program, scalars=scalars, storage=storage)
 
 
 def format_expr(e: Expr) -> str:

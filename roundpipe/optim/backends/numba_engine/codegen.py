@@ -23,6 +23,8 @@ from .config import (
 )
 from .lowering import KernelLowering, local_name, sqrt_passes
 
+_STOCHASTIC = "stochastic"  # (spec.ir.STOCHASTIC: this layer imports no spec)
+
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
 _CHUNK_BYTES = 4 * SQRT_CHUNK  # a chunk of float32
 
@@ -36,6 +38,8 @@ class KernelSource:
     scalars: tuple  # scalar_env() keys: the first columns of ``scalar_rows``
     consts: tuple  # np.float32 constants: the last columns of ``scalar_rows``
     tails: bool = False  # its items carry a tail flag (layout.partition with ``tails``)
+    # the row of ``addresses`` that holds each parameter's id, not an address (stochastic rounding)
+    ids_row: int | None = None
 
 
 @dataclass
@@ -46,9 +50,10 @@ class KernelParts:
     targets: tuple
     tensors: tuple  # the rows of ``addresses``: the program's tensors, then any partner
     # tensor -> its low-precision dtype (a pairing's gradient or partner; every tensor of a
-    # low-precision program)
+    # low-precision program; a widened program's 16-bit tensors)
     low: dict
     partner_dtype: str | None
+    stochastic: bool = False  # the parameter stored rounded stochastically (``sr_key``: its key)
 
     def view(self, tensor: str) -> str:
         return self.lowering.views[tensor]
@@ -61,9 +66,11 @@ class KernelParts:
         element = f"{self.view(tensor)}[{index}]"
         return f"widen_{self.low[tensor]}({element})" if tensor in self.low else element
 
-    def stores(self, tensors) -> list:
+    def stores(self, tensors, index: str = "start + i") -> list:
         """The lines writing each of ``tensors``' final values (rounded to a low-precision
-        tensor's dtype), then any partner (the final ``param``, rounded to the partner's dtype)."""
+        tensor's dtype; a stochastic kernel's parameter from the random bits of its element
+        ``index`` in the parameter), then any partner (the final ``param``, rounded to the
+        partner's dtype)."""
         current = self.lowering.current
         bits = getattr(self.lowering, "bits", {})  # (a low-precision value's bits, as computed)
         lines = []
@@ -71,6 +78,8 @@ class KernelParts:
             value = current[t]
             if value in bits:
                 value = bits[value]
+            elif t == "param" and self.stochastic:
+                value = f"narrow_bfloat16_sr({value}, sr_key, {index})"
             elif t in self.low:
                 value = f"narrow_{self.low[t]}({value})"
             lines.append(f"{self.view(t)}[i] = {value}")
@@ -86,6 +95,7 @@ def generate(
     sqrt_kind: str = "routine",
     dtype_names=("float32", None),
     low=None,
+    stored=(),
 ) -> KernelSource:
     """The kernel source for ``program`` and a lerp variant (``formulas.lerp_variant``);
     ``fused``: the IR functions (``add``, ``addcmul``, ``lerp``) torch computes with an FMA;
@@ -94,7 +104,10 @@ def generate(
     read, and a partner (the last row of ``addresses``) written with the final ``param``,
     rounded to its dtype. ``low``: the ``low_precision.Rounding`` of a program whose tensors are
     all of that bfloat16 or float16 dtype: each read widened, each op rounded to the dtype as
-    torch rounds it (formulas.py), each target stored in it; no pairing then."""
+    torch rounds it (formulas.py), each target stored in it; no pairing then. ``stored``: a
+    program stored widened (``Program.storage``): ``(tensor, dtype name)`` of each of its
+    bfloat16 or float16 tensors, read widened and stored rounded to it (a stochastic program's
+    parameter stochastically, its id in the row after the tensors')."""
     if sqrt_kind not in SQRT_KINDS:
         raise ValueError(f"sqrt_kind {sqrt_kind!r} is not one of {SQRT_KINDS}")
     grad_dtype, partner_dtype = dtype_names
@@ -102,23 +115,30 @@ def generate(
         raise ValueError(f"dtype_names {dtype_names!r}: dtypes must be float32, bfloat16 or float16")
     if low is not None and (grad_dtype, partner_dtype) != ("float32", None):
         raise ValueError("a low-precision program has no pairing: dtype_names must be the default")
-    lowering = KernelLowering(program, variant, fused, low)
-    tensors = tuple(program.tensors) + (("partner",) if partner_dtype else ())
-    lowering.views.setdefault("partner", local_name("view", len(tensors) - 1, "partner"))
     if low is not None:
         storage = {t: low.name for t in program.tensors}
     else:
         storage = {t: d for t, d in (("grad", grad_dtype), ("partner", partner_dtype)) if d in LOW_PRECISION}
-    kernel = KernelParts(lowering, tuple(program.targets), tensors, storage, partner_dtype)
+        storage.update(_stored(program, stored))
+    # a widened program's own 16-bit gradient (of the parameter's dtype; not a partner's)
+    own = storage.get("grad") if program.storage and storage.get("grad") == storage.get("param") else None
+    lowering = KernelLowering(program, variant, fused, low, own)
+    tensors = tuple(program.tensors) + (("partner",) if partner_dtype else ())
+    lowering.views.setdefault("partner", local_name("view", len(tensors) - 1, "partner"))
+    stochastic = program.storage == _STOCHASTIC
+    kernel = KernelParts(lowering, tuple(program.targets), tensors, storage, partner_dtype, stochastic)
+    if stochastic:  # (its scalars: the step's key)
+        lowering.scalar("sr_hi")
+        lowering.scalar("sr_lo")
     row_names = (*sorted(lowering.scalars), *sorted(lowering.consts))
     if lowering.sqrt_cuts:
         scratch, inner, intrinsics = _chunk_loop(kernel, sqrt_kind)
         emulations = [EMULATION_INTRINSICS[sqrt_kind]] if sqrt_kind in EMULATION_INTRINSICS else []
     else:
         scratch, inner, intrinsics, emulations = [], _slice_loop(kernel), [], []
-    setup = _item_setup(row_names, lowering.uses_tail)
+    setup = _item_setup(row_names, lowering.uses_tail, len(tensors) if stochastic else None)
     lines = [
-        *_header(program, variant, lowering, sqrt_kind, dtype_names),
+        *_header(program, variant, lowering, sqrt_kind, dtype_names, storage),
         "import numpy as np",
         "from numba import carray, prange",
         "",
@@ -130,7 +150,21 @@ def generate(
     ]
     consts = tuple(np.float32(lowering.consts[c]) for c in sorted(lowering.consts))
     scalars = tuple(sorted(lowering.scalars))
-    return KernelSource("\n".join(lines).rstrip() + "\n", tensors, scalars, consts, lowering.uses_tail)
+    ids_row = len(tensors) if stochastic else None
+    source = "\n".join(lines).rstrip() + "\n"
+    return KernelSource(source, tensors, scalars, consts, lowering.uses_tail, ids_row)
+
+
+def _stored(program, stored) -> dict:
+    """A widened program's 16-bit tensors (``generate``'s ``stored``), checked."""
+    storage = dict(stored)
+    if storage and not program.storage:
+        raise ValueError("stored dtypes are for a program stored widened (Program.storage)")
+    rows = (*program.tensors, "partner")
+    bad = {t: d for t, d in storage.items() if d not in LOW_PRECISION or t not in rows}
+    if bad or (program.storage == _STOCHASTIC and storage.get("param") != "bfloat16"):
+        raise ValueError(f"stored {stored!r}: bfloat16 or float16 tensors of the program (a bfloat16 param)")
+    return storage
 
 
 def _indent(lines, depth: int = 1) -> list:
@@ -138,7 +172,7 @@ def _indent(lines, depth: int = 1) -> list:
     return [pad + line for line in lines]
 
 
-def _header(program, variant, lowering, sqrt_kind, dtype_names) -> list:
+def _header(program, variant, lowering, sqrt_kind, dtype_names, kernel_low=None) -> list:
     grad_dtype, partner_dtype = dtype_names
     lines = [
         f"# Generated by {_PACKAGE} (do not edit): one parallel loop over",
@@ -154,6 +188,9 @@ def _header(program, variant, lowering, sqrt_kind, dtype_names) -> list:
     if lowering.low is not None:
         lines.append(f"# every tensor {lowering.low.name}, each op rounded to it as torch rounds it")
         lines.append(f"# ({lowering.low.what}),")
+    if program.storage:
+        stored = ", ".join(f"{t} {d}" for t, d in sorted(kernel_low.items())) or "none"
+        lines.append(f"# computed in float32 ({program.storage}); stored in 16 bits: {stored},")
     return lines + [
         f"# generator version {GENERATOR_VERSION}. The same loop twice: kernel_parallel (njit with",
         "# parallel=True) and kernel_serial (one thread). Arguments: nthreads; layout (int64: each",
@@ -178,7 +215,7 @@ def _imports(kernel: KernelParts, chunk_intrinsics: list, emulations: list) -> l
         *(["u16ptr"] if low else []),
         "wide_vectors",
     ]
-    written = [t for t in kernel.targets if t in low]
+    written = [t for t in kernel.targets if t in low and not (t == "param" and kernel.stochastic)]
     conversions = [
         *sorted({f"widen_{low[t]}" for t in lowering.loads if t in low}),
         *sorted(
@@ -186,6 +223,8 @@ def _imports(kernel: KernelParts, chunk_intrinsics: list, emulations: list) -> l
             | ({f"narrow_{kernel.partner_dtype}"} if kernel.partner_dtype else set())
         ),
         *([f"round_{lowering.low.name}"] if lowering.uses_round else []),
+        *([f"round_{lowering.grad_rounding}"] if lowering.uses_grad_rounding else []),
+        *(["narrow_bfloat16_sr", "sr_param_key"] if kernel.stochastic else []),
     ]
     lines = [f"from {_PACKAGE}.intrinsics import {', '.join(intrinsics)}"]
     if emulations:
@@ -214,9 +253,10 @@ def _kernel_function(name, loop, scratch, setup, inner) -> list:
     ]
 
 
-def _item_setup(row_names, tails=False) -> list:
+def _item_setup(row_names, tails=False, ids_row=None) -> list:
     """An item's parameter, its row of scalars, and its slice ``[start, start + count)``; with
-    ``tails``, its flag ``tail`` too (the item lies in torch's scalar tail: layout.partition)."""
+    ``tails``, its flag ``tail`` too (the item lies in torch's scalar tail: layout.partition);
+    with ``ids_row``, its parameter's key ``sr_key`` (stochastic rounding)."""
     return [
         f"item_at = layout[0] + {4 if tails else 3} * item",
         "param_index = layout[item_at]",
@@ -225,9 +265,15 @@ def _item_setup(row_names, tails=False) -> list:
         "start = layout[item_at + 1]",
         "count = layout[item_at + 2] - start",
         *(["tail = layout[item_at + 3] != 0"] if tails else []),
+        *([] if ids_row is None else [f"sr_key = sr_param_key(s_sr_hi, s_sr_lo, {_ids(ids_row)})"]),
         # the slice's own pointer and a loop from 0: numba then knows no index is negative (no
         # wraparound code), and LLVM vectorizes the loop
     ]
+
+
+def _ids(row: int) -> str:
+    """An item's parameter's id (its random bits' key: stochastic rounding)."""
+    return f"addresses[{row}, param_index]"
 
 
 def _pointer(kernel: KernelParts, tensor: str) -> str:
@@ -265,7 +311,10 @@ def _chunk_loop(kernel: KernelParts, sqrt_kind: str):
     """A program with a sqrt: ``(scratch, loop, intrinsics)``, the slice walked in chunks of
     SQRT_CHUNK elements (see docs/numba-engine.md: the passes of a chunk). A slice's last,
     partial chunk runs the same passes on zero-padded copies, then copies back what it wrote."""
-    early, passes = sqrt_passes(kernel.lowering, kernel.targets)
+    # (a 16-bit target is stored once, rounded: the passes after the first read its float32
+    # value recomputed, not stored early)
+    late = tuple(t for t in kernel.targets if t in kernel.low)
+    early, passes = sqrt_passes(kernel.lowering, kernel.targets, late)
     body, buffers = chunk_passes(kernel, early, passes, sqrt_kind)
     size = {t: kernel.element_size(t) for t in kernel.tensors}
     addr = {t: _chunk_address(r, t) for r, t in enumerate(kernel.tensors)}
@@ -367,7 +416,7 @@ def chunk_passes(kernel: KernelParts, early: list, passes: list, sqrt_kind: str,
     body = [
         *_pass_loads(kernel, early, last),
         *(rec.line for rec in last.records),
-        *kernel.stores([t for t in kernel.targets if t not in early]),
+        *kernel.stores([t for t in kernel.targets if t not in early], "start + chunk_start + i"),
     ]
     return lines + [f"for i in range({size}):", *_indent(body)], buffers
 

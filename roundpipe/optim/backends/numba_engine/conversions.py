@@ -12,6 +12,11 @@ type, which LLVM may lower to a runtime call), so loops vectorize:
   Widening keeps a NaN's payload and quiets it, as ``vcvtph2ps`` does. Where numba's target has
   F16C, both are LLVM's ``fptrunc``/``fpext`` through ``half``, which x86 lowers to exactly
   those two instructions: the same bits (checked: docs/numba-engine.md).
+
+And stochastic rounding to bfloat16 (``roundpipe.optim.storage``, where the same is written in
+torch's int32 ops): ``sr_param_key`` (a parameter's key at a step) and ``narrow_bfloat16_sr``
+(an element's random bits from its key and index, added to its float32 bits, truncated), all
+in 32-bit integer operations, which vectorize (``vpmulld``).
 """
 
 from __future__ import annotations
@@ -95,6 +100,58 @@ def _round_bfloat16(builder, x, f16c):
 
 def _round_float16(builder, x, f16c):
     return _widen_float16(builder, _narrow_float16(builder, x, f16c), f16c)
+
+
+_MIX = (0x7FEB352D, 0x846CA68B)  # lowbias32's multipliers (storage.mix32)
+
+
+def _mix32(builder, x):
+    x = builder.xor(x, builder.lshr(x, _c32(16)))
+    x = builder.mul(x, _c32(_MIX[0]))
+    x = builder.xor(x, builder.lshr(x, _c32(15)))
+    x = builder.mul(x, _c32(_MIX[1]))
+    return builder.xor(x, builder.lshr(x, _c32(16)))
+
+
+def _narrow_bfloat16_sr(builder, x, key, index):
+    """storage.stochastic_round_: ``(u + r) >> 16``, ``r`` the element's 16 random bits; a NaN
+    its sign and high payload, quieted."""
+    r = _mix32(builder, _mix32(builder, builder.xor(builder.trunc(index, _I32), key)))
+    u = builder.bitcast(x, _I32)
+    rounded = builder.lshr(builder.add(u, builder.lshr(r, _c32(16))), _c32(16))
+    nan = builder.or_(builder.lshr(u, _c32(16)), _c32(0x40))
+    return builder.trunc(builder.select(builder.fcmp_unordered("uno", x, x), nan, rounded), _I16)
+
+
+def _sr_param_key(builder, hi, lo, pid):
+    """storage.param_key of the step's key (its 16-bit halves, float32) and the parameter's id."""
+    key = builder.or_(builder.shl(builder.fptoui(hi, _I32), _c32(16)), builder.fptoui(lo, _I32))
+    return _mix32(builder, builder.xor(_mix32(builder, builder.trunc(pid, _I32)), key))
+
+
+@intrinsic
+def narrow_bfloat16_sr(typingctx, x, key, index):
+    """float32 ``x`` rounded stochastically to bfloat16's bits (uint16), its random bits those
+    of element ``index`` (int64) of the parameter of key ``key`` (int32: ``sr_param_key``)."""
+    if (x, key, index) != (types.float32, types.int32, types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _narrow_bfloat16_sr(builder, *args)
+
+    return types.uint16(types.float32, types.int32, types.int64), codegen
+
+
+@intrinsic
+def sr_param_key(typingctx, hi, lo, pid):
+    """A parameter's key (int32) from the step's key halves (float32) and its id (int64)."""
+    if (hi, lo, pid) != (types.float32, types.float32, types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _sr_param_key(builder, *args)
+
+    return types.int32(types.float32, types.float32, types.int64), codegen
 
 
 def _conversion(name, build, arg_type, result_type, f16c=None):

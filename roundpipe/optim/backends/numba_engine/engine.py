@@ -55,8 +55,8 @@ class NumbaEngine:
             self.sqrt_kind,
         )
 
-    def kernel(self, program, variant, dtype_names=("float32", None), low=None) -> NumbaKernel:
-        return compile_kernel(program, variant, self.fused, self.sqrt_kind, dtype_names, low)
+    def kernel(self, program, variant, dtype_names=("float32", None), low=None, stored=()) -> NumbaKernel:
+        return compile_kernel(program, variant, self.fused, self.sqrt_kind, dtype_names, low, stored)
 
     def exact_for(self, dtype) -> bool:
         """Whether its kernels are bit for bit torch's for-loop on parameters of ``dtype``
@@ -72,8 +72,10 @@ class NumbaEngine:
         by_variant: dict = {}
         for values, start, stop in segments(scalars, len(params)):
             by_variant.setdefault(lerp_variant(values, weights), []).append((values, start, stop))
-        low = _low(params)
+        # (a program stored widened computes in float32 whatever its tensors' dtypes)
+        low = None if program.storage else _low(params)
         dtype_names = _dtype_names(columns) if low is None else ("float32", None)
+        stored = _stored(program, columns)
         table = self._table(program, columns, cache)
         if table.total == 0:
             table.release_volatile()
@@ -85,7 +87,7 @@ class NumbaEngine:
         for variant, parts in by_variant.items():
             hit = compiled.get((variant, nthreads > 1))
             try:
-                kernel = hit[0] if hit else self.kernel(program, variant, dtype_names, low)
+                kernel = hit[0] if hit else self.kernel(program, variant, dtype_names, low, stored)
                 rows, scalar_rows = self._rows(kernel, parts, len(params), weights, cache)
                 if hit is None:
                     with keep_torch_threads():  # a first parallel call starts numba's pool
@@ -117,9 +119,13 @@ class NumbaEngine:
         params = columns["param"]
         grad_dtype, partner_dtype = pairing_of(columns)
         names = (*program.tensors, "partner") if partner_dtype is not None else program.tensors
+        if "sr_ids" in columns:  # each parameter's id, in the row after the tensors'
+            names = (*names, "sr_ids")
         table = cache.get("table")
         if table is None or table.names != names or table.params is not params:
-            if _low(params) is not None:  # every tensor of the parameter's dtype
+            if program.storage:  # each tensor of its own dtype
+                dtypes = {n: columns[n][0].dtype for n in names if n != "sr_ids" and len(columns[n])}
+            elif _low(params) is not None:  # every tensor of the parameter's dtype
                 dtypes = dict.fromkeys(names, params[0].dtype)
             else:
                 dtypes = {"grad": grad_dtype, "partner": partner_dtype}
@@ -196,6 +202,18 @@ def _low(params):
 
 
 _logged_rounding: set = set()  # (process-wide; a race logs twice at worst)
+
+
+def _stored(program, columns) -> tuple:
+    """A program stored widened: ``(tensor, dtype name)`` of each of its 16-bit columns, as
+    ``codegen.generate`` takes them (``()`` for another program)."""
+    if not program.storage:
+        return ()
+    return tuple(
+        (n, _DTYPE_NAMES[c[0].dtype])
+        for n, c in columns.items()
+        if n != "sr_ids" and len(c) and c[0].dtype in LOW_PRECISION
+    )
 
 
 def _dtype_names(columns) -> tuple:

@@ -117,13 +117,19 @@ _kernels = CompileCache()
 
 
 def compile_kernel(
-    program, variant: tuple, fused=None, sqrt: str | None = None, dtype_names=("float32", None), low=None
+    program,
+    variant: tuple,
+    fused=None,
+    sqrt: str | None = None,
+    dtype_names=("float32", None),
+    low=None,
+    stored=(),
 ) -> NumbaKernel:
     """The kernels for ``program`` and a lerp variant; ``fused`` defaults to torch_fusion()'s,
     ``sqrt`` (a ``SQRT_KINDS`` entry) to sqrt_kind()'s; ``dtype_names`` and ``low`` as
     ``generate``'s (a low-precision program takes its fused set from ``low``, and no sqrt
-    kind: its root is the correctly rounded one). numba compiles (or loads from its cache) each
-    of the two on its first call."""
+    kind: its root is the correctly rounded one), ``stored`` as ``generate``'s. numba compiles (or
+    loads from its cache) each of the two on its first call."""
     numba = import_numba()
     if low is not None:
         fused, sqrt = low.fused, "routine"
@@ -132,12 +138,12 @@ def compile_kernel(
     fused = frozenset(fused)
     if sqrt is None:
         sqrt = sqrt_kind()
-    key = (program, tuple(variant), fused, sqrt, tuple(dtype_names), low)
-    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt, dtype_names, low))
+    key = (program, tuple(variant), fused, sqrt, tuple(dtype_names), low, tuple(stored))
+    return _kernels.get(key, lambda: _compile(numba, program, variant, fused, sqrt, dtype_names, low, stored))
 
 
-def _compile(numba, program, variant, fused, sqrt="routine", dtype_names=("float32", None), low=None):
-    source = generate(program, variant, fused, sqrt, dtype_names, low)
+def _compile(numba, program, variant, fused, sqrt, dtype_names, low, stored):
+    source = generate(program, variant, fused, sqrt, dtype_names, low, stored)
     parallel, serial, on_disk = jit_module(numba, "roundpipe_numba_", source.source)
     return NumbaKernel(program, tuple(variant), fused, source, on_disk, parallel, serial, low=low)
 

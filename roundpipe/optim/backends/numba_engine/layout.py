@@ -103,6 +103,10 @@ class AddressTable:
     def update(self, row: int, column):
         if column is self.columns[row]:
             return
+        if self.names[row] == "sr_ids":  # each parameter's id (ints), not an address
+            self.addresses[row] = column
+            self.columns[row] = column
+            return
         if type(column) is not Checked and (
             [t.numel() for t in column] != self.sizes
             or not all([t.dtype is self.dtypes[row] and t.is_contiguous() for t in column])

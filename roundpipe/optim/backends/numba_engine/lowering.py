@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...spec.core import is_factor_product
 from ...spec.ir import Assign, Let
 from ..formulas import Lowering
 
@@ -55,8 +56,12 @@ class Record:
 class KernelLowering(Lowering):
     """The shared formulas (formulas.py) in numba's dialect: the records of one iteration."""
 
-    def __init__(self, program, variant, fused, low=None):
+    def __init__(self, program, variant, fused, low=None, grad_rounding=None):
         super().__init__(program, variant, fused, low)
+        # a widened program's own 16-bit gradient: its factor products rounded to this dtype
+        # (spec.core.is_factor_product), by ``round_<dtype>``
+        self.grad_rounding = grad_rounding
+        self.uses_grad_rounding = False
         self.uses_fma = False
         self.uses_round = False  # a low-precision program's rounding intrinsic
         self.uses_tail = False  # whether a formula selects on the item's ``tail`` flag
@@ -135,6 +140,9 @@ class KernelLowering(Lowering):
     # -- statements ----------------------------------------------------------------------------
     def statement(self, st):
         code = self(st.expr)
+        if self.grad_rounding is not None and is_factor_product(st):
+            self.uses_grad_rounding = True
+            code = self.fmt("round_{}({})", self.grad_rounding, code)
         if isinstance(st, Let):
             name = local_name("let", len(self.lets), st.name)
             local = Code(name, {name})
@@ -163,7 +171,7 @@ class Pass:
     records: list
 
 
-def sqrt_passes(lowering: KernelLowering, targets) -> tuple[list, list]:
+def sqrt_passes(lowering: KernelLowering, targets, late=()) -> tuple[list, list]:
     """``(early, passes)`` for a chunk of a program with a ``sqrt``.
 
     ``passes[k]`` (``k`` < the number of roots) binds the ``k``-th root's argument ``arg<k>``;
@@ -171,13 +179,13 @@ def sqrt_passes(lowering: KernelLowering, targets) -> tuple[list, list]:
     records its outputs depend on (a backward slice). ``early``: the targets whose final value
     pass 0 computes, which pass 0 stores (Adam's moments); later passes read those back (the
     chunk is in cache) instead of recomputing them from the inputs. A target whose original
-    value a later pass still needs is not stored early.
+    value a later pass still needs is not stored early, nor any of ``late``.
     """
     records = lowering.records
     defs = {rec.local: rec for rec in records}
     cut0 = lowering.sqrt_cuts[0]
     in_first = {rec.local for rec in records[:cut0]}
-    early = [t for t in targets if lowering.current[t] in in_first]
+    early = [t for t in targets if lowering.current[t] in in_first and t not in late]
     originals = {lowering.value(t, 0): t for t in lowering.loads}
 
     def backward_slice(outputs, upto, free) -> Pass:

@@ -159,6 +159,27 @@ def _parser():
     )
     p.add_argument("--json", metavar="PATH", help="write all results (every sample) as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="draw a chart (needs matplotlib: the 'plot' extra)")
+    _add_modes(p)
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        type=_option,
+        metavar="NAME.KEY=VALUE",
+        help="an optimizer's hyperparameter for this run, over the bench's (e.g. SGD.momentum=0: plain "
+        "SGD; the bench's SGD has momentum 0.9); repeatable",
+    )
+    p.add_argument(
+        "--model",
+        choices=("default", "small"),
+        default="default",
+        help="--first-use: the demo's model to step (default: default; small: tiny, for tests)",
+    )
+    return p
+
+
+def _add_modes(p) -> None:
+    """The modes that time something else than the default rows ("instead: ...")."""
     p.add_argument(
         "--first-use",
         action="store_true",
@@ -194,22 +215,6 @@ def _parser():
         help="with --partners: the whole optimizer phase of mixed-precision training, loss scaling "
         "(float16) and clipping, folded into the fused step against the composition",
     )
-    p.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        type=_option,
-        metavar="NAME.KEY=VALUE",
-        help="an optimizer's hyperparameter for this run, over the bench's (e.g. SGD.momentum=0: plain "
-        "SGD; the bench's SGD has momentum 0.9); repeatable",
-    )
-    p.add_argument(
-        "--model",
-        choices=("default", "small"),
-        default="default",
-        help="--first-use: the demo's model to step (default: default; small: tiny, for tests)",
-    )
-    return p
 
 
 def _check_args(p, args):

@@ -71,6 +71,7 @@ class LowPrecisionCase(Case):
     """A case of ``cases.py`` on the low-precision parameter set, ``STEPS`` steps."""
 
     steps: int = STEPS
+    nan_bits: bool = True  # a 16-bit tensor's NaNs compared by their bits too
 
     def __post_init__(self):
         super().__post_init__()
@@ -129,3 +130,34 @@ def _table():
 
 
 CASES, TORCH_ENGINE_CASES = _table()
+
+
+# Gradients past the dtype's largest value (inf in about 3% of elements): NaNs spread through
+# the moments and the parameter, in the vector body and in the scalar tails, where torch's
+# kernels store NaNs of other bits (``maximum``'s own: docs/low-precision.md)
+NAN_PARAMS = (
+    ParamSpec("70001 grad*3e4 (inf) float16", (70001,), torch.float16, scale=3e4),
+    ParamSpec("70001 grad*1.5e38 (inf) bfloat16", (70001,), torch.bfloat16, scale=1.5e38),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NanCase(LowPrecisionCase):
+    """A low-precision case on ``NAN_PARAMS``: NaNs compared by their bits."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "id", self.id + "-nan")
+
+    @property
+    def params(self):
+        return NAN_PARAMS
+
+
+NAN_CASES = (
+    NanCase("Adam", {"amsgrad": True, "weight_decay": 0.1}),
+    NanCase("AdamW", {"amsgrad": True}),
+    NanCase("Adamax", {"weight_decay": 0.1}),
+    NanCase("NAdam", {"weight_decay": 0.1}),
+    NanCase("RMSprop", {"centered": True, "momentum": 0.9}),
+)

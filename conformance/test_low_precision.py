@@ -10,7 +10,7 @@ Test ids read ``<Optimizer>-<kwargs>-16bit-<backend>``.
 import pytest
 
 from .harness import run_case
-from .low_precision import BACKENDS, CASES, TORCH_ENGINE_CASES
+from .low_precision import BACKENDS, CASES, NAN_CASES, TORCH_ENGINE_CASES
 
 _TORCH_ENGINE = {c.id for c in TORCH_ENGINE_CASES}
 _PARAMS = [
@@ -18,7 +18,7 @@ _PARAMS = [
     for c in CASES
     for b in BACKENDS
     if b != "fast:torch" or c.id in _TORCH_ENGINE
-]
+] + [pytest.param(c, b, id=f"{c.id}-{b}") for c in NAN_CASES for b in BACKENDS]
 
 
 @pytest.mark.parametrize("case, backend", _PARAMS)

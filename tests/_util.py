@@ -170,13 +170,14 @@ def _copy_tensor(t):
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def bits_mismatch(a, b) -> str | None:
+def bits_mismatch(a, b, nan_bits: bool = False) -> str | None:
     """None if ``a`` and ``b`` are equal bit for bit, else where they first differ.
 
     Floating-point values are compared as integers of their width (an int32 view for float32,
     so ``-0.0`` differs from ``0.0``), with NaNs matched by position (a NaN's payload and sign
-    are not specified by torch: NaN must meet NaN, any NaN); complex values as their real and
-    imaginary parts. Dtype, shape and layout must agree; meta tensors compare only those.
+    are not specified by torch: NaN must meet NaN, any NaN) unless ``nan_bits`` (the 16-bit
+    suites: a NaN's bits too); complex values as their real and imaginary parts. Dtype, shape
+    and layout must agree; meta tensors compare only those.
     """
     if a.dtype != b.dtype or a.shape != b.shape:
         return f"dtype/shape {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
@@ -193,16 +194,23 @@ def bits_mismatch(a, b) -> str | None:
         return None
     if a.is_floating_point():
         bits = _INT_OF[a.element_size()]
-        differ = (a.view(bits) != b.view(bits)) & ~(torch.isnan(a) & torch.isnan(b))
+        differ = a.view(bits) != b.view(bits)
+        if not nan_bits:
+            differ &= ~(torch.isnan(a) & torch.isnan(b))
     else:
         differ = a != b
     if not bool(differ.any()):
         return None
     where = torch.nonzero(differ).flatten()
     i = int(where[0])
+    hexes = ""
+    if a.is_floating_point():
+        mask = (1 << (8 * a.element_size())) - 1
+        ai, bi = (int(x[i : i + 1].view(bits)) & mask for x in (a, b))
+        hexes = f" (bits {ai:#x} vs {bi:#x})"
     return (
         f"{len(where)} of {a.numel()} elements differ in their bits; "
-        f"first at flat index {i}: {a[i].item()!r} vs {b[i].item()!r}"
+        f"first at flat index {i}: {a[i].item()!r} vs {b[i].item()!r}{hexes}"
     )
 
 

@@ -31,7 +31,9 @@ a comparison and ``add``'s alpha are rounded to the dtype first (torch converts 
 tensor's dtype), the others stay float32; the root is the correctly rounded one; and where
 torch's scalar tail computes an op otherwise than its vector body (``add`` with an alpha,
 ``maximum`` of opposite zeros, ``lerp``'s second branch's zeros: ``Rounding``), the formula
-selects on ``in_tail()``, true in those elements.
+selects on ``in_tail()``, true in those elements. A NaN result is stored as torch's op stores it
+(``Rounding.nan``: bfloat16's vector conversion gives 0xffff, its scalar tail 0x7fc0; ``maximum``
+a NaN of its own; ``neg`` and ``abs`` flip bits): ``narrow`` takes the op.
 """
 
 from __future__ import annotations
@@ -91,8 +93,11 @@ def scalar_env(scalars: dict, weights=()) -> dict:
     return env
 
 
-# the functions whose result is one of their (representable) operands: never rounded
+# the functions whose result is one of their (representable) operands: never rounded, but where
+# torch's 16-bit kernel stores its own NaN (``Rounding.nan``)
 _EXACT = frozenset({"neg", "abs", "sign", "maximum"})
+# the functions whose NaN a measured op stands for (``low_precision.NAN_OPS``)
+_NAN_OP = {"clamp_min": "clamp"}
 
 
 class Lowering:
@@ -127,8 +132,10 @@ class Lowering:
         """``a * b + c`` rounded once (only called for functions in ``fused``)."""
         raise NotImplementedError
 
-    def narrow(self, x: str) -> str:
-        """``x`` (float32) rounded to the low-precision dtype, as float32 (``low`` programs)."""
+    def narrow(self, x: str, op: str = "round") -> str:
+        """``x`` (float32) rounded to the low-precision dtype, as float32 (``low`` programs);
+        where it is NaN, the NaN torch's ``op`` stores (``Rounding.nan``) in the body or the
+        tail."""
         raise NotImplementedError
 
     def in_tail(self) -> str:
@@ -167,11 +174,15 @@ class Lowering:
             code = self._binary(e)
             if self.low is None or e.op in COMPARISONS:
                 return code
-        else:
-            code = getattr(self, "fn_" + e.fn)(*e.args)
-            if self.low is None or e.fn in _EXACT:
-                return code
-        return self.narrow(code)  # one torch op: its result in the dtype
+            return self.narrow(code)  # one torch op: its result in the dtype
+        code = getattr(self, "fn_" + e.fn)(*e.args)
+        if self.low is None or e.fn == "sign":
+            return code
+        op = _NAN_OP.get(e.fn, e.fn)
+        if e.fn in _EXACT and self.low.nan(op) == ("kept", "kept"):
+            return code  # an operand, its bits as they are
+        # (an operand's value is its own narrowing: only a NaN can change, as torch's op has it)
+        return self.narrow(code, op)
 
     def _binary(self, e):
         if e.op == "/" and not e.a.is_tensor():
@@ -210,7 +221,8 @@ class Lowering:
 
     def fn_maximum(self, a, b):
         a, b = self.bind(self(a)), self.bind(self(b))
-        # the vectorized kernel's: b where they are equal (+0 and -0) or b is NaN
+        # the vectorized kernel's: b where they are equal (+0 and -0) or b is NaN (a NaN: a
+        # 16-bit program's narrowing gives torch's, Rounding.nan)
         second = self.select(self.either(self.fmt("{} > {}", a, b), self.fmt("{} != {}", a, a)), a, b)
         if self.low is None or self.low.kind("maximum") == self.low.kind("maximum", tail=True):
             return second

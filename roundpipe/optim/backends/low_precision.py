@@ -69,8 +69,10 @@ FUNCTIONS = ("add", "addcmul", "lerp")  # (and "maximum": its choice between equ
 @dataclass(frozen=True)
 class Rounding:
     """How torch rounds ``add`` (with an alpha), ``addcmul`` and ``lerp`` on one dtype: the
-    formula of each in the vectorized body and in the tail (``kinds[fn] = (body, tail)``), the
-    loop's ``step``, and whether every measurement matched a formula (``exact``)."""
+    formula of each in the vectorized body and in the tail (``kinds[fn] = (body, tail)``;
+    ``maximum``: its choice between opposite zeros; ``<op>_nan``: the NaN an op of ``NAN_OPS``
+    stores, ``nan()``), the loop's ``step``, and whether every measurement matched a formula
+    (``exact``)."""
 
     dtype: torch.dtype
     kinds: tuple  # ((fn, (body, tail)), ...): hashable, a key of the compiled kernels
@@ -82,9 +84,16 @@ class Rounding:
     def name(self) -> str:
         return DTYPE_NAMES[self.dtype]
 
-    def kind(self, fn: str, tail: bool = False) -> str:
+    def kind(self, fn: str, tail: bool = False):
         """``fn``'s formula in the body, or in the tail."""
         return dict(self.kinds)[fn][1 if tail else 0]
+
+    def nan(self, fn: str = "round") -> tuple:
+        """``(body, tail)``: the NaN ``fn``'s result holds where it is NaN (``NAN_OPS``; the
+        rounded ops' rule for any other): a 16-bit pattern (an int) whatever the operands', or
+        ``"kept"``: the operand's sign and payload, quieted."""
+        kinds = dict(self.kinds)
+        return kinds.get(f"{fn}_nan", kinds["round_nan"])
 
     @property
     def fused(self) -> frozenset:
@@ -192,6 +201,11 @@ def _measure(dtype) -> Rounding:
             if fn == "add" and body != tail:
                 step = _tail_step(in_tail)
         kinds["maximum"] = _maximum_kinds(dtype)
+        for op in NAN_OPS:
+            found = kinds[f"{op}_nan"] = _nan_kinds(op, dtype)
+            if None in found:
+                notes.append(f"{op}: no known NaN in the body or the tail {found}")
+                kinds[f"{op}_nan"] = tuple("kept" if k is None else k for k in found)
         if None in kinds["maximum"]:
             notes.append(f"maximum: no known choice between equal zeros {kinds['maximum']}")
             kinds["maximum"] = tuple(k or "second" for k in kinds["maximum"])
@@ -202,7 +216,8 @@ def _measure(dtype) -> Rounding:
             notes.append("no vector step in (16, 32, 64, 128) places the tails")
         if not _sqrt_is_correctly_rounded(dtype):
             notes.append("sqrt: not the correctly rounded float32 root, rounded")
-    what = ", ".join(f"{fn} {b}/{t}" for fn, (b, t) in kinds.items()) + f" (body/tail), step {step}"
+    what = ", ".join(f"{fn} {_shown(b)}/{_shown(t)}" for fn, (b, t) in kinds.items())
+    what += f" (body/tail), step {step}"
     if notes:
         what += "; " + "; ".join(notes)
     return Rounding(dtype, tuple(kinds.items()), step, not notes, what)
@@ -239,6 +254,74 @@ def _maximum_kinds(dtype):
 
     tail = {kind(a[i : i + 2], b[i : i + 2]) for i in range(0, 8, 2)}
     return kind(a, b), tail.pop() if len(tail) == 1 else None
+
+
+def _shown(kind) -> str:
+    return f"0x{kind:04x}" if isinstance(kind, int) else str(kind)
+
+
+def _nans(dtype) -> list:
+    """Quiet NaNs of ``dtype`` as 16-bit patterns: both signs, several payloads. (A signalling
+    NaN is quieted as it is read: torch's bitwise ops keep one; not modelled.)"""
+    if dtype is torch.float16:
+        return [0x7E00, 0xFE00, 0x7F55, 0x7FFF, 0xFFFF]
+    return [0x7FC0, 0xFFC0, 0x7FD5, 0x7FFF, 0xFFFF]
+
+
+def _from_bits(bits, dtype) -> torch.Tensor:
+    signed = [b - (1 << 16) if b >= 1 << 15 else b for b in bits]
+    return torch.tensor(signed, dtype=torch.int16).view(dtype)
+
+
+def _bits(t: torch.Tensor) -> list:
+    return (t.view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+
+
+# The ops whose NaN is measured: each a function of two tensors, and what it does to a NaN's
+# bits where it keeps them ("round": every op that rounds, as a multiply by a scalar rounds).
+# Their vector bodies and scalar tails store NaNs otherwise: torch's vectorized bfloat16
+# conversion makes every NaN 0xffff, c10::BFloat16's 0x7fc0; maximum's body ORs an all-ones
+# mask into its float32 result, its scalar lambda returns ``quiet_NaN()``; neg and abs flip a
+# vector's bits, and so on (docs/low-precision.md).
+NAN_OPS = {
+    "round": (lambda a, b: a * 0.9, lambda x: x),
+    "sqrt": (lambda a, b: torch.sqrt(a), lambda x: x),
+    "neg": (lambda a, b: torch.neg(a), lambda x: x ^ 0x8000),
+    "abs": (lambda a, b: torch.abs(a), lambda x: x & 0x7FFF),
+    "clamp": (lambda a, b: torch.clamp(a, -1.0, 1.0), lambda x: x),
+    "where": (lambda a, b: torch.where(torch.ones_like(a, dtype=torch.bool), a, b), lambda x: x),
+    "maximum": (torch.maximum, None),
+}
+
+
+def _nan_kinds(op, dtype):
+    """``(body, tail)``: what ``op`` (``NAN_OPS``) stores where its result is NaN, over every
+    pairing of a NaN with a NaN or a number (either side): one 16-bit pattern, ``"kept"`` (the
+    operand's NaN, its bits as ``op`` treats them, quieted), or None (neither)."""
+    fn, on_bits = NAN_OPS[op]
+    quiet = 0x0200 if dtype is torch.float16 else 0x0040
+    nans = _nans(dtype)
+    one = 0x3FC0 if dtype is torch.bfloat16 else 0x3E00  # 1.5
+    pairs = [(x, y) for x in nans + [one] for y in nans + [one] if x in nans or y in nans]
+    a = _from_bits([x for x, _ in pairs], dtype)
+    b = _from_bits([y for _, y in pairs], dtype)
+
+    def classify(got, a_bits):
+        got = [g for g, x in zip(got, a_bits, strict=True) if x in nans or op == "maximum"]
+        a_bits = [x for x in a_bits if x in nans or op == "maximum"]
+        if len(set(got)) == 1:
+            return got[0]
+        if on_bits is not None and got == [on_bits(x) | quiet for x in a_bits]:
+            return "kept"
+        return None
+
+    # the body: each pair over a whole vector loop (128 elements: no tail at any step up to
+    # 128); the tail: loops of 7 elements
+    n = len(pairs)
+    body = _bits(fn(a.repeat_interleave(128), b.repeat_interleave(128))[::128])
+    tail = _bits(torch.cat([fn(a[i : i + 7], b[i : i + 7]) for i in range(0, n, 7)]))
+    a_bits = _bits(a)  # (an op but maximum: where ``a`` is NaN)
+    return classify(body, a_bits), classify(tail, a_bits)
 
 
 def _sqrt_is_correctly_rounded(dtype) -> bool:

@@ -223,6 +223,8 @@ def _imports(kernel: KernelParts, chunk_intrinsics: list, emulations: list) -> l
             | ({f"narrow_{kernel.partner_dtype}"} if kernel.partner_dtype else set())
         ),
         *([f"round_{lowering.low.name}"] if lowering.uses_round else []),
+        *([f"bits_{lowering.low.name}"] if lowering.uses_bits else []),
+        *([f"round_{lowering.low.name}_nan", f"narrow_{lowering.low.name}_nan"] if lowering.uses_nan else []),
         *([f"round_{lowering.grad_rounding}"] if lowering.uses_grad_rounding else []),
         *(["narrow_bfloat16_sr", "sr_param_key"] if kernel.stochastic else []),
     ]

@@ -94,6 +94,29 @@ def _narrow_float16(builder, x, f16c):
     return builder.trunc(r, _I16)
 
 
+def _kept_bfloat16(builder, x, f16c):
+    # a NaN's sign and high payload, quieted (c10's conversion of a NaN operand kept as is)
+    u = builder.bitcast(x, _I32)
+    return builder.trunc(builder.or_(builder.lshr(u, _c32(16)), _c32(0x40)), _I16)
+
+
+def _with_nan(narrow, kept):
+    """``narrow`` where ``x`` is a number; where it is NaN, ``nan`` (int64): its 16-bit pattern,
+    or -1: ``kept``'s (the NaN's own bits, quieted)."""
+
+    def build(builder, x, nan, f16c):
+        given = builder.icmp_signed(">=", nan, ir.Constant(nan.type, 0))
+        own = builder.select(given, builder.trunc(nan, _I16), kept(builder, x, f16c))
+        return builder.select(builder.fcmp_unordered("uno", x, x), own, narrow(builder, x, f16c))
+
+    return build
+
+
+def _bits_bfloat16(builder, x, f16c):
+    # a float32 that holds a bfloat16 (a NaN too): its high half, exactly
+    return builder.trunc(builder.lshr(builder.bitcast(x, _I32), _c32(16)), _I16)
+
+
 def _round_bfloat16(builder, x, f16c):
     return _widen_bfloat16(builder, _narrow_bfloat16(builder, x, f16c), f16c)
 
@@ -172,9 +195,46 @@ def _conversion(name, build, arg_type, result_type, f16c=None):
     return intrinsic(conversion)
 
 
+def _nan_conversion(name, build, result_type, f16c=None):
+    """The intrinsic ``name(x, nan)``: ``build(builder, x, nan, f16c)``, ``nan`` an int64."""
+
+    def conversion(typingctx, x, nan):
+        if x != types.float32 or nan != types.int64:
+            return None
+
+        def codegen(context, builder, signature, args):
+            has_f16c = "f16c" in target_features() if f16c is None else f16c
+            return build(builder, args[0], args[1], has_f16c)
+
+        return result_type(types.float32, types.int64), codegen
+
+    conversion.__name__ = name
+    return intrinsic(conversion)
+
+
+def _narrow_bfloat16_nan(builder, x, nan, f16c):
+    return _with_nan(_narrow_bfloat16, _kept_bfloat16)(builder, x, nan, f16c)
+
+
+def _narrow_float16_nan(builder, x, nan, f16c):
+    return _with_nan(_narrow_float16, _narrow_float16)(builder, x, nan, f16c)
+
+
+def _round_bfloat16_nan(builder, x, nan, f16c):
+    return _widen_bfloat16(builder, _narrow_bfloat16_nan(builder, x, nan, f16c), f16c)
+
+
+def _round_float16_nan(builder, x, nan, f16c):
+    return _widen_float16(builder, _narrow_float16_nan(builder, x, nan, f16c), f16c)
+
+
 def conversion_intrinsics(f16c=None) -> dict:
     """The conversions by name; ``f16c``: True or False forces one form (for tests).
-    ``round_<dtype>``: float32 to the dtype and back (a low-precision program's op rounding)."""
+    ``round_<dtype>``: float32 to the dtype and back (a low-precision program's op rounding);
+    ``bits_<dtype>``: the bits of a float32 that holds a value of the dtype, NaNs as they are
+    (float16's narrowing keeps a quiet NaN's sign and payload; bfloat16's would not);
+    ``narrow_<dtype>_nan``/``round_<dtype>_nan``: a NaN made the 16-bit pattern of the second
+    argument, or kept (its sign and payload, quieted) where that is -1."""
     u16, f32 = types.uint16, types.float32
     return {
         "widen_bfloat16": _conversion("widen_bfloat16", _widen_bfloat16, u16, f32, f16c),
@@ -183,6 +243,12 @@ def conversion_intrinsics(f16c=None) -> dict:
         "narrow_float16": _conversion("narrow_float16", _narrow_float16, f32, u16, f16c),
         "round_bfloat16": _conversion("round_bfloat16", _round_bfloat16, f32, f32, f16c),
         "round_float16": _conversion("round_float16", _round_float16, f32, f32, f16c),
+        "bits_bfloat16": _conversion("bits_bfloat16", _bits_bfloat16, f32, u16, f16c),
+        "bits_float16": _conversion("bits_float16", _narrow_float16, f32, u16, f16c),
+        "narrow_bfloat16_nan": _nan_conversion("narrow_bfloat16_nan", _narrow_bfloat16_nan, u16, f16c),
+        "narrow_float16_nan": _nan_conversion("narrow_float16_nan", _narrow_float16_nan, u16, f16c),
+        "round_bfloat16_nan": _nan_conversion("round_bfloat16_nan", _round_bfloat16_nan, f32, f16c),
+        "round_float16_nan": _nan_conversion("round_float16_nan", _round_float16_nan, f32, f16c),
     }
 
 
@@ -193,3 +259,9 @@ narrow_bfloat16 = _target_form["narrow_bfloat16"]
 narrow_float16 = _target_form["narrow_float16"]
 round_bfloat16 = _target_form["round_bfloat16"]
 round_float16 = _target_form["round_float16"]
+bits_bfloat16 = _target_form["bits_bfloat16"]
+bits_float16 = _target_form["bits_float16"]
+narrow_bfloat16_nan = _target_form["narrow_bfloat16_nan"]
+narrow_float16_nan = _target_form["narrow_float16_nan"]
+round_bfloat16_nan = _target_form["round_bfloat16_nan"]
+round_float16_nan = _target_form["round_float16_nan"]

@@ -64,6 +64,8 @@ class KernelLowering(Lowering):
         self.uses_grad_rounding = False
         self.uses_fma = False
         self.uses_round = False  # a low-precision program's rounding intrinsic
+        self.uses_bits = False  # its ``bits_<dtype>`` intrinsic (a target that is an operand)
+        self.uses_nan = False  # its ``*_nan`` conversions (a NaN other than the conversion's)
         self.uses_tail = False  # whether a formula selects on the item's ``tail`` flag
         self.bits: dict[str, str] = {}  # a low-precision target's value -> the local of its bits
         self.rows = {name: r for r, name in enumerate(program.tensors)}
@@ -117,12 +119,30 @@ class KernelLowering(Lowering):
         self.uses_fma = True
         return self.fmt("fma({}, {}, {})", a, b, c)
 
-    def narrow(self, x):
+    def narrow(self, x, op="round"):
         # float32 -> the dtype -> float32, integer operations on the bits (conversions.py)
-        self.uses_round = True
-        code = self.fmt("round_{}({})", self.low.name, x)
+        nan = self._nan_argument(op)
+        if nan is None:  # the conversion's own NaN (bfloat16: 0xffff; float16: kept)
+            self.uses_round = True
+            code = self.fmt("round_{}({})", self.low.name, x)
+        else:
+            self.uses_nan = True
+            code = self.fmt("round_{}_nan({}, {})", self.low.name, x, nan)
         code.narrowed = x  # (an assignment's last rounding gives the bits it stores: statement)
+        code.nan = nan
         return code
+
+    def _nan_argument(self, op):
+        """The ``nan`` argument of a ``*_nan`` conversion for torch's ``op`` (its 16-bit NaN,
+        -1: kept), in the body and the tail; None where the plain conversion gives it."""
+        native = 0xFFFF if self.low.name == "bfloat16" else "kept"
+        body, tail = self.low.nan(op)
+        if body == tail == native:
+            return None
+        arg = {k: str(-1 if k == "kept" else k) for k in (body, tail)}
+        if body == tail:
+            return arg[body]
+        return self.fmt("({} if {} else {})", arg[tail], self.in_tail(), arg[body])
 
     def in_tail(self):
         # the item's flag (an item lies in torch's scalar tail or not at all: layout.partition)
@@ -154,13 +174,26 @@ class KernelLowering(Lowering):
             inner = getattr(code, "narrowed", None)
             if inner is not None:
                 # the bits once, stored as they are, and the value they hold for what follows
-                bits = local_name("bits", self.rows[st.target], st.target) + f"_{self.versions[st.target]}"
-                self.records.append(Record(bits, f"narrow_{self.low.name}({inner})", uses_of(inner)))
-                self.bits[str(local)] = bits
-                code = Code(f"widen_{self.low.name}({bits})", {bits})
+                nan = getattr(code, "nan", None)
+                dtype = self.low.name
+                narrow = f"narrow_{dtype}({inner})" if nan is None else f"narrow_{dtype}_nan({inner}, {nan})"
+                bits = self._bits(st.target, local, narrow, uses_of(inner))
+                code = Code(f"widen_{dtype}({bits})", {bits})
+            elif self.low is not None:
+                # an operand of the dtype (neg, abs where they keep a NaN): stored as its bits are
+                self.uses_bits = True
+                self._bits(st.target, local, f"bits_{self.low.name}({code})", uses_of(code))
         else:
             raise TypeError(f"not a statement: {st!r}")
         self.records.append(Record(str(local), code, uses_of(code)))
+
+    def _bits(self, target, local, expr, uses) -> str:
+        """A local for the bits ``expr`` computes of ``target``'s value ``local``, which the
+        store writes as they are."""
+        bits = local_name("bits", self.rows[target], target) + f"_{self.versions[target]}"
+        self.records.append(Record(bits, expr, uses))
+        self.bits[str(local)] = bits
+        return bits
 
 
 @dataclass(frozen=True)

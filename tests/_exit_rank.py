@@ -2,12 +2,14 @@
 
 ``rank_main(rank, port, variant, name, out_prefix, shutdown)`` is the rank: gloo (world size 2,
 one thread), ``fully_shard`` over a small MLP with uneven shards, without and then with
-``CPUOffloadPolicy(pin_memory=False)``, three steps of ``name`` (AdamW, SGD with momentum and
-weight decay, or NAdam) from ``roundpipe.optim`` (``variant`` ``roundpipe``) or ``torch.optim``
+``CPUOffloadPolicy(pin_memory=False)``, three steps of ``name`` (one of ``KWARGS``: every
+elementwise optimizer) from ``roundpipe.optim`` (``variant`` ``roundpipe``) or ``torch.optim``
 (``torch``, the control), then the end of the group by ``shutdown``:
 
 * ``plain``: ``barrier`` and ``destroy_process_group``, what torch's examples do (the shutdown
   whose exit can abort: docs/distributed.md, "Ending a rank");
+* ``destroy``: ``destroy_process_group`` alone, as issue 61's script ended (a rank may leave
+  while the other still runs a collective of its last step);
 * ``shutdown``: ``roundpipe.optim.shutdown_process_group()`` once the models and optimizers are
   gone (the training runs in a function that has returned), so it frees the group;
 * ``shutdown-held``: the same call with the last model and optimizer still alive, so the group
@@ -46,17 +48,26 @@ import os
 import signal
 import sys
 
+# every elementwise optimizer (issue 61's crash stepped RMSprop at its defaults)
 KWARGS = {
+    "Adadelta": dict(lr=1.0),
+    "Adagrad": dict(lr=1e-2),
+    "Adam": dict(lr=1e-3, amsgrad=True),
     "AdamW": dict(lr=1e-3),
-    "SGD": dict(lr=1e-2, momentum=0.9, weight_decay=1e-2),
+    "Adamax": dict(lr=2e-3),
+    "ASGD": dict(lr=1e-2, t0=1),
     "NAdam": dict(lr=1e-3),
+    "RAdam": dict(lr=1e-3),
+    "RMSprop": dict(lr=1e-2),
+    "Rprop": dict(lr=1e-2),
+    "SGD": dict(lr=1e-2, momentum=0.9, weight_decay=1e-2),
 }
 # after a rank fails, how long the launcher waits for the other to end by itself before
 # torch's ProcessContext.join stops it (SIGTERM, then SIGKILL after as long again)
 GRACE_S = 30.0
 
 
-SHUTDOWNS = ("plain", "shutdown", "shutdown-held")
+SHUTDOWNS = ("plain", "destroy", "shutdown", "shutdown-held")
 
 
 def _threads():
@@ -143,8 +154,9 @@ def rank_main(rank, port, variant, name, out_prefix, shutdown="plain"):
         dist.destroy_process_group()
         raise
     freed = None
-    if shutdown == "plain":
-        dist.barrier()
+    if shutdown in ("plain", "destroy"):
+        if shutdown == "plain":
+            dist.barrier()
         dist.destroy_process_group()
     else:
         freed = shutdown_process_group()

@@ -173,6 +173,13 @@ def begin_step(opt):
         return None
     factors = pending(opt)
     grad_scale = getattr(opt, "grad_scale", None)
+    if grad_scale is not None and any(g.get("fused") for g in opt.param_groups):
+        raise RuntimeError(
+            f"roundpipe.optim.{type(opt).__name__}(fused=True) under GradScaler without unscale_: torch's "
+            "fused kernel would divide each gradient by the scale and write it back, which roundpipe does "
+            "not do yet; call scaler.unscale_(optimizer) before scaler.step(optimizer) (the step then "
+            "reads unscaled gradients, as torch's fused step does), or use fused=None"
+        )
     if grad_scale is not None:  # the scaler left the unscale to this step: every gradient
         factors = factors.copy()
         factors.add(_inverse(grad_scale))

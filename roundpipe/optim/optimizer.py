@@ -11,8 +11,10 @@ module adds:
   stored in another dtype than the parameter's, a bfloat16 parameter rounded stochastically;
   ``state_dict()`` keeps the stream's seed (an entry torch.optim's ``load_state_dict`` ignores),
   and ``load_state_dict`` stores the state it loads in the state dtype;
-* the contract's placeholders: ``foreach``/``fused`` are ignored with a warning,
-  ``capturable=True``/``differentiable=True`` raise ``ValueError``;
+* the contract's placeholders: ``foreach`` is ignored with a warning, and so is ``fused`` but
+  where torch has a fused CPU kernel that the spec models (``spec.fused_kernel``: Adam, AdamW),
+  whose ``fused=True`` steps as that kernel does; ``capturable=True``/``differentiable=True``
+  raise ``ValueError``;
 * ``step()``: torch's hooks around the step, which it hands to the step plan
   (``plan.run_step``: validation, the scalars, one backend launch per program, the replay of
   an unchanged step) with the gradient factors loss scaling and clipping left for it
@@ -280,7 +282,10 @@ def _make_init(cls, torch_cls):
                     f"roundpipe.optim.{cls.__name__} does not support {opt}=True "
                     "(it steps fp32 tensors on the CPU in place)"
                 )
+        fused = getattr(cls.spec, "fused_kernel", False) and arguments.get("fused")
         for opt in _PLACEHOLDER_WARN:
+            if fused:
+                break  # torch's arithmetic (spec.fused_kernel); torch's __init__ refuses foreach=True
             if arguments.get(opt) is not None:
                 warnings.warn(
                     f"roundpipe.optim.{cls.__name__}: {opt}={arguments[opt]!r} is ignored; "
@@ -290,6 +295,8 @@ def _make_init(cls, torch_cls):
                 )
                 arguments[opt] = None
         kept = _storage(cls, state_dtype, stochastic_rounding)
+        if fused and kept != storage.DEFAULT:
+            raise TypeError(storage.fused_refusal(cls.__name__))
         self._roundpipe_backend = backends.resolve(backend)
         torch_cls.__init__(*bound.args, **bound.kwargs)
         if kept != storage.DEFAULT:

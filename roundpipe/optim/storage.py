@@ -46,6 +46,9 @@ class Storage:
 
     state_dtype: torch.dtype | None = None
     stochastic: bool = False
+    # a param group with ``fused=True`` (torch's fused kernel: float32 math on the widened
+    # tensors, each stored tensor rounded once to its own dtype); not an optimizer's keyword
+    fused: bool = False
 
     def state_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the state tensors of a parameter of ``dtype``."""
@@ -53,6 +56,8 @@ class Storage:
 
     def widened(self, dtype: torch.dtype) -> bool:
         """Whether a parameter of ``dtype`` is stepped widened (see the module docstring)."""
+        if self.fused:
+            return dtype in (torch.bfloat16, torch.float16)
         return self.stochastic or (self.state_dtype is not None and self.state_dtype is not dtype)
 
     def problem(self, dtype: torch.dtype) -> str | None:
@@ -68,6 +73,15 @@ class Storage:
 
 
 DEFAULT = Storage()
+FUSED = Storage(fused=True)
+
+
+def fused_refusal(cls_name: str) -> str:
+    """Why ``fused=True`` does not take ``state_dtype=`` or ``stochastic_rounding=``."""
+    return (
+        f"roundpipe.optim.{cls_name}: fused=True steps as torch's fused kernel does, each tensor in "
+        "its own dtype; state_dtype= and stochastic_rounding= are for the for-loop's step (fused=None)"
+    )
 
 
 def check_keywords(cls_name: str, state_dtype, stochastic_rounding) -> Storage:

@@ -17,6 +17,7 @@ from roundpipe.optim.spec.ir import (
     rsqrt,
     sign,
     sqrt,
+    sqrt_rn,
     where,
 )
 
@@ -34,7 +35,10 @@ def every_function_builder():
     b.assign(acc, maximum(addcmul(acc * s.beta, g, g, value=s.one_minus_beta), abs_(buf) / 4.0))
     d = b.let("d", sqrt(acc) + s.eps)
     u = b.let("u", clamp(addcdiv(buf - buf, g, d, value=s.one), s.lo, s.hi))
-    b.assign(param, addcdiv(param, buf, d, value=s.neg_lr) - u * s.lr + sign(grad) * s.tiny + 0.5 / (d + 1.0))
+    b.assign(
+        param,
+        addcdiv(param, buf, d, value=s.neg_lr) - u * s.lr + sign(grad) * s.tiny + 0.5 / (d + sqrt_rn(acc)),
+    )
     b.assign(param, where(param >= 3.0, 3.0 - param, 1.0 + (param - 1.0)))
     b.assign(param, param + rsqrt(clamp_min(acc, s.eps)) * s.tiny)
     return b, (param, grad, buf, acc)
@@ -73,7 +77,7 @@ def by_hand(t, sc):
     d = acc.sqrt() + sc["eps"]
     u = torch.clamp(torch.addcdiv(buf - buf, g, d, value=sc["one"]), sc["lo"], sc["hi"])
     param = torch.addcdiv(param, buf, d, value=sc["neg_lr"]) - u * sc["lr"] + torch.sign(grad) * sc["tiny"]
-    param = param + 0.5 / (d + 1.0)
+    param = param + 0.5 / (d + acc.double().sqrt().to(acc.dtype))
     param = torch.where(param >= 3.0, 3.0 - param, 1.0 + (param - 1.0))
     param = param + torch.rsqrt(torch.clamp(acc, min=sc["eps"])) * sc["tiny"]
     return dict(param=param, grad=grad, buf=buf, acc=acc)

@@ -11,6 +11,7 @@ records which locals an expression reads). The formulas:
 * ``number / tensor`` is ``reciprocal(tensor) * number`` (torch's ``__rtruediv__``);
 * ``sign``: ``(0 < x) - (x < 0)``, NaN gives 0; ``maximum``, ``clamp`` and ``clamp_min``
   propagate NaN; ``rsqrt`` is ``1 / sqrt(x)``, the root correctly rounded (ATen's kernel);
+  ``sqrt_rn`` the correctly rounded root (the fused kernels');
 * ``add(a, b, alpha)`` = ``a + alpha * b``; ``addcmul`` = ``a + (value * b) * c``;
   ``addcdiv`` = ``a + (value * b) / c``;
 * ``lerp(a, b, w)``: ATen's two branches, ``a + w * (b - a)`` for ``|w| < 0.5``, else
@@ -97,7 +98,7 @@ def scalar_env(scalars: dict, weights=()) -> dict:
 # torch's 16-bit kernel stores its own NaN (``Rounding.nan``)
 _EXACT = frozenset({"neg", "abs", "sign", "maximum"})
 # the functions whose NaN a measured op stands for (``low_precision.NAN_OPS``)
-_NAN_OP = {"clamp_min": "clamp"}
+_NAN_OP = {"clamp_min": "clamp", "sqrt_rn": "sqrt"}
 
 
 class Lowering:
@@ -203,6 +204,9 @@ class Lowering:
         if self.low is not None:  # the float32 root, correctly rounded, then rounded once
             return self.correct_sqrt(self(x))
         return self.sqrt(self(x))
+
+    def fn_sqrt_rn(self, x):
+        return self.correct_sqrt(self(x))
 
     def fn_rsqrt(self, x):
         if self.low is not None:

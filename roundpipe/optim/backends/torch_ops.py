@@ -67,6 +67,14 @@ def _where(cond, a, b, out=None):
     return torch.where(cond, a, b, out=out)
 
 
+def _sqrt_rn(x, out=None):
+    # the float64 root of a float32 rounded to float32 is the correctly rounded one (53 >= 2*24+2)
+    root = torch.sqrt(x.double())
+    if out is None:
+        return root.to(x.dtype)
+    return out.copy_(root)
+
+
 BINARY = {
     "+": _add,
     "-": _sub,
@@ -81,6 +89,7 @@ BINARY = {
 FUNCTIONS = {
     "neg": lambda x, out=None: torch.neg(x, out=out),
     "sqrt": lambda x, out=None: torch.sqrt(x, out=out),
+    "sqrt_rn": lambda x, out=None: _sqrt_rn(x, out),
     "abs": lambda x, out=None: torch.abs(x, out=out),
     "sign": lambda x, out=None: torch.sign(x, out=out),
     "maximum": lambda a, b, out=None: torch.maximum(a, b, out=out),

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import operator
 
+import torch
+
 from .. import masters
 from ..masters import partner_of, partner_problem
 from ..spec.core import Options
-from ..storage import DEFAULT
+from ..storage import DEFAULT, FUSED, fused_refusal
 from .checks import (
     check_duplicates,
     check_overlap,
@@ -109,9 +111,10 @@ def build(opt, spec, backend=None):
         groups = []
         for gi, group, indices, params, pairs in work:
             options = spec.options(group)
+            kept = fused_storage(name, gi, params, storage) if options.get("fused") else storage
             inputs = [n for n in spec.inputs(Options(options)) if n not in ("param", "grad")]
             states, init_flags, new_positions = create_state(
-                spec, group, params, state, created, storage, deferred
+                spec, group, params, state, created, kept, deferred
             )
             if len(new_positions) > 1:
                 # state nobody has seen yet is created in flat buffers; existing state (loaded,
@@ -119,11 +122,11 @@ def build(opt, spec, backend=None):
                 new_states = [states[i] for i in new_positions]
                 new_params = [params[i] for i in new_positions]
                 adopt_flat_state(new_params, new_states, inputs, below, spec.scalar_state)
-            check_state(name, gi, indices, params, states, spec.scalar_state, inputs, storage, deferred)
+            check_state(name, gi, indices, params, states, spec.scalar_state, inputs, kept, deferred)
             pids = tuple(first_pid + pi for pi in indices)
             first_pid += len(group["params"])
             groups.append(
-                GroupPlan(spec, gi, group, indices, params, states, init_flags, options, pairs, storage, pids)
+                GroupPlan(spec, gi, group, indices, params, states, init_flags, options, pairs, kept, pids)
             )
         check_partners(name, groups)
         plan = StepPlan(opt, groups)
@@ -133,6 +136,21 @@ def build(opt, spec, backend=None):
         rollback(state, created)
         raise
     return plan, [gp.current_grads() for gp in groups], created
+
+
+def fused_storage(name, gi, params, storage):
+    """The storage of a ``fused=True`` group (``FUSED``: its 16-bit parameters widened), after
+    torch's check of its parameters and the keywords fused steps do not take."""
+    if storage != DEFAULT:
+        raise TypeError(fused_refusal(name))
+    for p in params:
+        if not torch.is_floating_point(p):  # torch's _device_dtype_check_for_fused, its words
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of "
+                f"supported devices: ['cpu'] but {p.dtype} and {p.device.type} "
+                f"(roundpipe.optim.{name}: param_groups[{gi}])"
+            )
+    return FUSED
 
 
 def stepped_work(opt, low_precision=False, storage=DEFAULT) -> list:

@@ -117,6 +117,9 @@ class OptimizerSpec(SpecBase):
     # step calls ``low_precision_scalars(group, values, dtype, zero_dim)`` on the scalars
     # ``scalars`` returned; it returns them with those rounded as torch rounds them
     low_precision_scalars: Callable | None = None
+    # torch has a fused CPU kernel for it (``fused=True``), which ``options(group)["fused"]``
+    # selects: its arithmetic, and a bfloat16 or float16 parameter stepped widened
+    fused_kernel: bool = False
 
     def program(self, options: dict) -> Program:
         return built_once(self, options, self._build)

@@ -67,6 +67,7 @@ __all__ = [
     "lerp",
     "maximum",
     "sqrt",
+    "sqrt_rn",
     "rsqrt",
     "clamp_min",
     "abs_",
@@ -177,6 +178,7 @@ class Bin(Expr):
 FUNCTIONS = {
     "neg": 1,  # -x
     "sqrt": 1,  # torch.sqrt
+    "sqrt_rn": 1,  # the correctly rounded root: the fused kernels' Vec::sqrt (torch.sqrt may not be)
     "rsqrt": 1,  # torch.rsqrt: 1 / sqrt(x), each rounded (ATen's kernel, not a VML routine)
     "abs": 1,  # torch.abs
     "sign": 1,  # torch.sign: NaN -> 0
@@ -244,6 +246,12 @@ def maximum(a, b) -> Expr:
 
 def sqrt(x) -> Expr:
     return Call("sqrt", (_wrap(x),))
+
+
+def sqrt_rn(x) -> Expr:
+    """The correctly rounded square root, as torch's fused kernels take it (``Vec::sqrt``, the
+    instruction), where ``torch.sqrt`` of float32 runs MKL's routine (``sqrt``)."""
+    return Call("sqrt_rn", (_wrap(x),))
 
 
 def rsqrt(x) -> Expr:

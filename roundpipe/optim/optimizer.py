@@ -282,10 +282,11 @@ def _make_init(cls, torch_cls):
                     f"roundpipe.optim.{cls.__name__} does not support {opt}=True "
                     "(it steps fp32 tensors on the CPU in place)"
                 )
-        fused = getattr(cls.spec, "fused_kernel", False) and arguments.get("fused")
+        modelled = getattr(cls.spec, "fused_kernel", False)  # fused=True: torch's fused kernel
+        fused = modelled and arguments.get("fused")
         for opt in _PLACEHOLDER_WARN:
-            if fused:
-                break  # torch's arithmetic (spec.fused_kernel); torch's __init__ refuses foreach=True
+            if (opt == "fused" and modelled) or fused:
+                continue  # kept as given (with fused=True, torch's __init__ refuses foreach=True)
             if arguments.get(opt) is not None:
                 warnings.warn(
                     f"roundpipe.optim.{cls.__name__}: {opt}={arguments[opt]!r} is ignored; "

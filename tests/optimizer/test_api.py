@@ -1,7 +1,8 @@
 """API parity with torch.optim for every class: signature, defaults, subclassing,
 hyperparameter errors (type and message), a tensor lr at construction (the same outcome as
-torch's), and the compatibility placeholders (foreach/fused warn and are ignored,
-capturable/differentiable=True raise).
+torch's), and the compatibility placeholders (foreach/fused warn and are ignored, but for
+fused on the optimizers whose fused kernel roundpipe models; capturable/differentiable=True
+raise).
 """
 
 import inspect
@@ -190,6 +191,14 @@ def test_foreach_fused_warn_once_and_are_ignored(name, option):
             torch_class(name)([_param()], **{option: True})
         with pytest.raises(TypeError):
             rp_class(name)([_param()], **{option: True})
+        return
+    if option == "fused" and rp_class(name).spec.fused_kernel:
+        # torch's fused kernel, modelled (conformance/test_fused.py): kept, as torch keeps it
+        for value in values:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                opt = rp_class(name)([_param()], fused=value)
+            assert opt.defaults["fused"] is value and opt.param_groups[0]["fused"] is value
         return
     for value in values:
         with warnings.catch_warnings(record=True) as caught:

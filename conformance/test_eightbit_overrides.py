@@ -275,10 +275,13 @@ def test_overrides_registered_by_position_reach_other_parameters_there(kind):
     recipe for parameters replaced after registering, as when a model moves to another device)."""
     gen = torch.Generator().manual_seed(4)
     start = [torch.randn(s, generator=gen) for s in SHAPES]
-    sides = []
+    sides, alive = [], []
     for side in ("roundpipe", "bitsandbytes"):
         manager = manager_of(kind if side == "roundpipe" else "bitsandbytes")
         registered = [t.clone().requires_grad_() for t in start]
+        # kept alive to the end: the managers key overrides by id(), and a freed tensor's id
+        # can come back as a stepped parameter's, which would then take the override too
+        alive.append(registered)
         manager.override_config(registered[1], key_value_dict={"optim_bits": 32, "lr": 5e-3})
         manager.register_parameters(registered)
         stepped = [t.clone().requires_grad_() for t in start]  # other tensors at the same positions

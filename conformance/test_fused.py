@@ -45,7 +45,10 @@ def _cases():
         ("Adam", dict(betas=(0.3, 0.9))),  # 1 - beta1 >= 0.5: lerp's other branch
         ("AdamW", dict(betas=(0.3, 0.9), amsgrad=True)),
         ("AdamW", dict(lr=torch.tensor(0.01))),
-        ("Adam", dict(lr=torch.tensor(0.02), betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=0.1)),
+        (
+            "Adam",
+            dict(lr=torch.tensor(0.02), betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=1e-1),
+        ),
     ]
     return out
 

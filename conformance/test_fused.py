@@ -12,9 +12,9 @@ One declared deviation (docs/contract.md, "fused=True"): on float32, torch's ker
 last ``numel % 8`` elements of a parameter in the scalar remainder of its compiler-vectorized
 tail loop (its vector loop takes 16 elements, the tail loop 8), which contracts ``exp_avg_sq *
 beta2 + (1 - beta2) * grad * grad`` around the other product (``fma(exp_avg_sq, beta2, ...)``):
-``exp_avg_sq`` differs by an ulp there in about a quarter of those elements a step, and the
-parameter follows (measured, torch 2.13, AMD Zen 5; not modelled yet). Those elements are
-compared with ``assert_close``; every other element bit for bit.
+``exp_avg_sq`` differs by an ulp there in some of those elements, and the parameter follows
+(not modelled yet). Those elements are compared with ``assert_close``; every other element bit
+for bit.
 """
 
 from __future__ import annotations

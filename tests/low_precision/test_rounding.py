@@ -80,8 +80,9 @@ def test_torch_chunks():
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_the_probe_finds_the_formulas_of_the_vectorized_kernels(dtype):
     """The formulas every x86-64 vector kernel has; the vector step is not read from the CPU's
-    capability (an AVX-512 build was measured at 32, as AVX2's), but measured again on another
-    op than the probe's (``maximum`` of opposite zeros, where its body and its tail differ)."""
+    capability string (an AVX-512 machine need not step 64: docs/low-precision.md), but measured
+    again on another op than the probe's (``maximum`` of opposite zeros, whose body and tail
+    differ)."""
     found = lp.rounding(dtype)
     assert found.exact, found.what
     kinds = dict(found.kinds)

@@ -4,8 +4,8 @@
 The fused kernel computes the for-loop's formulas in the for-loop's order, its multiply-adds
 contracted as torch's ops contract them (``lerp``, ``addcmul``, ``add`` with an alpha), except
 the root: ``Vec::sqrt``, correctly rounded (``sqrt_rn``), where ``torch.sqrt`` of float32 runs
-MKL's routine, and ``bias_correction2_sqrt`` is ``std::sqrt`` rather than ``** 0.5``. Measured
-bit for bit on torch 2.13 and 2.14 (conformance/fused.py). On a bfloat16 or float16 parameter
+MKL's routine, and ``bias_correction2_sqrt`` is ``std::sqrt`` rather than ``** 0.5``
+(conformance/test_fused.py holds it against the kernel). On a bfloat16 or float16 parameter
 it is that float32 arithmetic on the widened tensors, each stored tensor rounded once: the step
 runs widened (``plan``).
 

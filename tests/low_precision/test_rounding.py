@@ -128,6 +128,8 @@ def test_maximum_of_a_nan_is_the_probes_nan_in_the_body_and_in_the_tails(dtype, 
     with torch_threads(threads):
         got = torch.maximum(a, b).view(torch.int16).numpy().astype(np.uint16)
     body, tail = found.nan("maximum")
+    if not (isinstance(body, int) and isinstance(tail, int)):
+        pytest.skip(f"this torch's maximum keeps an operand's NaN ({found.what}): no one NaN to expect")
     want = np.full(n, body, dtype=np.uint16)
     for lo, hi in lp.tail_spans(n, threads, found.step):
         want[lo:hi] = tail
@@ -215,6 +217,9 @@ def test_each_ops_nan_bit_for_bit_torchs(dtype, backend, op):
     """Each op whose NaN torch's 16-bit kernels store otherwise in the body and the tail
     (``low_precision.NAN_OPS``), alone, on NaNs of every sign and payload in the body and in
     the tails: the NaN's bits as torch's op has them (the reference backend runs it)."""
+    found = lp.rounding(dtype)
+    if not found.exact:  # (the engine then claims no bits: exact_for, and the suites compare closely)
+        pytest.skip(f"this torch's {found.name} kernels match no known formula or NaN: {found.what}")
     b = ProgramBuilder(("param", "grad"))
     b.assign(b.tensor("param"), _NAN_PROGRAMS[op](b.tensor("param"), b.tensor("grad"), b.s))
     program = b.build()

@@ -14,7 +14,8 @@ tail loop (its vector loop takes 16 elements, the tail loop 8), which contracts 
 beta2 + (1 - beta2) * grad * grad`` around the other product (``fma(exp_avg_sq, beta2, ...)``):
 ``exp_avg_sq`` differs by an ulp there in some of those elements, and the parameter follows
 (not modelled yet). Those elements are compared with ``assert_close``; every other element bit
-for bit.
+for bit. The span holds on either ISA: where the kernel's vector loop takes 8 (AVX2), its whole
+tail is within the last ``numel % 8``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,14 @@
-"""SGD: ``torch.optim.sgd._single_tensor_sgd``.
+"""SGD: ``torch.optim.sgd._single_tensor_sgd``, and with ``fused=True`` torch's fused CPU kernel
+(``aten/src/ATen/native/cpu/FusedSGDKernel.cpp``).
+
+The fused kernel's float32 arithmetic is the for-loop's, contracted as torch's ops contract
+(``grad + param * weight_decay``, ``buf * momentum + grad * (1 - dampening)`` around the second
+product, ``param - grad * lr``): one program serves both. On a bfloat16 or float16 parameter it
+is that arithmetic on the widened tensors, each stored tensor rounded once (torch >= 2.14; 2.13's
+16-bit kernel is wrong, pytorch#191763, and is not followed). torch's fused step raises a
+TypeError when a group mixes parameters with and without a momentum buffer (a first gradient
+that comes late); roundpipe steps such a parameter as the for-loop does, its buffer starting at
+the gradient.
 
 torch keeps no state without momentum, and creates ``momentum_buffer`` on the first step as a
 copy of the (decayed) gradient: init_state creates it and returns the ``first`` flag, which
@@ -26,11 +36,14 @@ def options(group):
         "weight_decay": group["weight_decay"] != 0,
         "momentum": group["momentum"] != 0,
         "nesterov": group["nesterov"],
+        "fused": bool(group.get("fused")),
     }
 
 
 def scalars(group, state):
     lr = to_scalar(group["lr"])
+    if group.get("fused"):  # the kernel takes doubles (a tensor's ``item()``)
+        lr = float(lr)
     momentum = group["momentum"]
     return {
         "weight_decay": group["weight_decay"],
@@ -72,6 +85,7 @@ SGD = OptimizerSpec(
     statements,
     scalar_state=(),
     flags=("first",),
+    fused_kernel=True,
     rich_kwargs=dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
     fidelity_kwargs=dict(lr=1e-2, momentum=0.9, nesterov=True),
 )

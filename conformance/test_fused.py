@@ -358,15 +358,76 @@ def test_fused_refusals_are_torchs_and_before_anything_moves():
         t.step()
 
 
-def test_fused_under_grad_scaler_without_unscale_refuses_before_anything_moves():
-    p = torch.randn(5, requires_grad=True)
-    opt = ro.AdamW([p], fused=True)
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("AdamW", dict(amsgrad=True, weight_decay=0.1)),
+        ("Adam", dict(maximize=True)),
+        ("SGD", dict(momentum=0.9, weight_decay=0.1)),
+        ("Adagrad", dict(lr_decay=0.01)),
+    ],
+)
+def test_fused_under_grad_scaler_without_unscale_is_torchs(name, kwargs):
+    """torch's fused protocol: the scaler hands ``grad_scale`` and ``found_inf`` to the step; the
+    kernel divides each gradient by the scale (not a power of two here), writes it back and steps
+    it, or skips everything on an inf (iteration 2). Parameters, state, the written-back
+    gradients and the scale, bit for bit after every iteration."""
+    g = torch.Generator().manual_seed(5)
+    shapes = ((70001,), (33, 65), (1,))
+    start = [torch.randn(s, generator=g) for s in shapes]
+    weights = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    weights[2][1][3, 4] = float("inf")
+    runs = []
+    for mod in (torch.optim, ro):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = getattr(mod, name)(params, lr=1e-2, fused=True, **kwargs)
+        scaler = torch.amp.GradScaler("cpu", init_scale=3.0)
+        seen = []
+        for ws in weights:
+            opt.zero_grad()
+            scaler.scale(sum((p * w).sum() for p, w in zip(params, ws, strict=True))).backward()
+            scaler.step(opt)
+            scaler.update()
+            state = [sorted((k, v.clone()) for k, v in opt.state[p].items()) for p in params]
+            seen.append(
+                (
+                    [p.detach().clone() for p in params],
+                    [p.grad.clone() for p in params],
+                    state,
+                    scaler.get_scale(),
+                )
+            )
+        runs.append(seen)
+    for it, (theirs, ours) in enumerate(zip(*runs, strict=True)):
+        assert ours[3] == theirs[3], f"iteration {it}: the scale"
+        for what, a_list, b_list in (("param", ours[0], theirs[0]), ("grad", ours[1], theirs[1])):
+            for a, b in zip(a_list, b_list, strict=True):
+                _compare(a, b, torch.float32, f"{name} iteration {it} {what}")
+        for a_state, b_state in zip(ours[2], theirs[2], strict=True):
+            assert [k for k, _ in a_state] == [k for k, _ in b_state]
+            for (key, a), (_, b) in zip(a_state, b_state, strict=True):
+                _compare(a, b, a.dtype, f"{name} iteration {it} {key}")
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "mixed groups", "pending clip"])
+def test_fused_under_grad_scaler_without_unscale_refuses_what_it_does_not_model(case):
+    """What the fused protocol would step otherwise than torch raises before anything moves:
+    a 16-bit gradient (the kernel steps its unrounded float32 quotient), a group that is not
+    fused (torch's for-loop asserts), a clip recorded before the step."""
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    params = [torch.nn.Parameter(torch.randn(40).to(dtype)) for _ in range(2)]
+    groups = [dict(params=params[:1]), dict(params=params[1:], fused=case != "mixed groups")]
+    opt = ro.AdamW(groups, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    scaler.scale(p.square().sum()).backward()
-    before = p.detach().clone()
-    with pytest.raises(RuntimeError, match="call scaler.unscale_"):
+    scaler.scale(sum(p.float().square().sum() for p in params)).backward()
+    if case == "pending clip":
+        ro.clip_grad_norm_(opt, 1.0)
+    before = [(p.detach().clone(), p.grad.clone()) for p in params]
+    with pytest.raises(RuntimeError, match="under GradScaler without unscale_"):
         scaler.step(opt)
-    assert torch.equal(p.detach(), before)
+    for p, (value, grad) in zip(params, before, strict=True):
+        assert torch.equal(p.detach(), value) and torch.equal(p.grad, grad)
+    assert not opt.state
 
 
 def test_fused_under_grad_scaler_with_unscale_is_torchs():

@@ -31,6 +31,7 @@ applies the coefficient from that norm bit for bit. The composing engines (``ref
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import weakref
@@ -56,7 +57,7 @@ _VERSION = attrgetter("_version")
 class GradFactors:
     """The per-step factors waiting for the next step, in the order they were recorded."""
 
-    __slots__ = ("measured", "own", "partner")
+    __slots__ = ("before_launch", "measured", "own", "partner")
 
     def __init__(self):
         self.own: list = []  # float32 values, as Python floats
@@ -64,6 +65,8 @@ class GradFactors:
         # a clip's coefficient holds for the gradients it measured: (weak references to those
         # tensors, their versions); weak, so a pending clip never keeps a set of gradients alive
         self.measured: tuple | None = None
+        # what the step runs once it can no longer fail, before it writes (``_fused_unscale``)
+        self.before_launch = None
 
     def add(self, value: float, own: bool = True, partner: bool = True) -> None:
         if own:
@@ -80,7 +83,7 @@ class GradFactors:
         return tuple(self.partner if paired else self.own)
 
     def __bool__(self):
-        return bool(self.own or self.partner)
+        return bool(self.own or self.partner or self.before_launch)
 
 
 _NONE = GradFactors()  # nothing pending (never added to: pending() makes an optimizer its own)
@@ -174,16 +177,48 @@ def begin_step(opt):
     factors = pending(opt)
     grad_scale = getattr(opt, "grad_scale", None)
     if grad_scale is not None and any(g.get("fused") for g in opt.param_groups):
-        raise RuntimeError(
-            f"roundpipe.optim.{type(opt).__name__}(fused=True) under GradScaler without unscale_: torch's "
-            "fused kernel would divide each gradient by the scale and write it back, which roundpipe does "
-            "not do yet; call scaler.unscale_(optimizer) before scaler.step(optimizer) (the step then "
-            "reads unscaled gradients, as torch's fused step does), or use fused=None"
-        )
+        return _fused_unscale(opt, factors, grad_scale)
     if grad_scale is not None:  # the scaler left the unscale to this step: every gradient
         factors = factors.copy()
         factors.add(_inverse(grad_scale))
     return factors
+
+
+def _fused_unscale(opt, factors, grad_scale) -> GradFactors:
+    """torch's fused protocol, for a step the scaler left the unscale to: the kernel divides
+    each gradient by the scale (a true division, where ``unscale_`` multiplies by the inverse)
+    and writes the quotient back, then steps it. Returned as the step's ``before_launch``, run
+    once the step can no longer fail; what it does not model raises here, before anything moves."""
+    who = f"roundpipe.optim.{type(opt).__name__}(fused=True) under GradScaler without unscale_"
+    if factors:
+        raise RuntimeError(
+            f"{who}: a clip is pending (clip_grad_norm_ before scaler.step); torch's clip would have "
+            "scaled the scaled gradients before its kernel divides them. Call scaler.unscale_(optimizer) "
+            "before clipping, as torch's AMP recipe does"
+        )
+    for gi, group in enumerate(opt.param_groups):
+        if not group.get("fused") and any(p.grad is not None for p in group["params"]):
+            raise RuntimeError(
+                f"{who}: param_groups[{gi}] is not fused, and torch's for-loop step takes no grad_scale "
+                "(it asserts); call scaler.unscale_(optimizer) before scaler.step(optimizer)"
+            )
+    grads, paired = _gradients(opt)
+    wide = [g.dtype for g in grads if g.dtype is not torch.float32]
+    if any(paired) or wide:
+        raise RuntimeError(
+            f"{who}: {'a partner' if any(paired) else wide[0]} gradient: the fused kernel steps the "
+            "unrounded float32 quotient of a 16-bit gradient, which roundpipe does not model; call "
+            "scaler.unscale_(optimizer) before scaler.step(optimizer), or use float32 parameters"
+        )
+    out = GradFactors()
+    out.before_launch = functools.partial(_divide, grads, grad_scale)
+    return out
+
+
+@torch.no_grad()
+def _divide(grads, scale) -> None:
+    for g in grads:
+        g.div_(scale.to(g.device))
 
 
 def drop_scaler_attributes(opt) -> None:

@@ -12,8 +12,8 @@ module adds:
   ``state_dict()`` keeps the stream's seed (an entry torch.optim's ``load_state_dict`` ignores),
   and ``load_state_dict`` stores the state it loads in the state dtype;
 * the contract's placeholders: ``foreach`` is ignored with a warning, and so is ``fused`` but
-  where torch has a fused CPU kernel that the spec models (``spec.fused_kernel``: Adam, AdamW),
-  whose ``fused=True`` steps as that kernel does; ``capturable=True``/``differentiable=True``
+  where torch has a fused CPU kernel that the spec models (``spec.fused_kernel``: Adam, AdamW,
+  SGD, Adagrad), whose ``fused=True`` steps as that kernel does; ``capturable=True``/``differentiable=True``
   raise ``ValueError``;
 * ``step()``: torch's hooks around the step, which it hands to the step plan
   (``plan.run_step``: validation, the scalars, one backend launch per program, the replay of

@@ -40,6 +40,47 @@ def test_dtype_mode(tmp_path, capsys, monkeypatch, dtype):
     assert state["roundpipe"] == pytest.approx(4 + 4 * 4 / 138)  # two moments, four 0-d steps
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_mode(tmp_path, capsys, monkeypatch, dtype):
+    """``--fused``: roundpipe's fused=True against torch's, checked first but the declared
+    remainder; a torch kernel known wrong (2.13's 16-bit SGD) is timed and marked, not checked;
+    the check can fail."""
+    _tiny(monkeypatch)
+    out = tmp_path / "fused.json"
+    argv = f"--quick --optimizers AdamW,SGD --workloads small --fused {dtype} --repeats 1 --json {out}"
+    assert bench.main(argv.split()) == 0
+    text = capsys.readouterr().out
+    assert f"fused=True on {dtype} parameters" in text
+    assert re.search(r"optimizer \| roundpipe fused=True \| torch fused=True \| vs torch fused=True \|", text)
+    assert re.search(r"\n  AdamW: equal; \d+ elements differ in the declared remainder", text)
+    wrong = stored.known_wrong("SGD", stored.FUSED_DTYPES[dtype])
+    assert (f"\n  SGD: {stored.NOT_CHECKED}: torch " in text) == wrong
+    rows = json.loads(out.read_text())["workloads"]["small"]["optimizers"]
+    assert rows["AdamW"]["configs"] == ["roundpipe fused=True", "torch fused=True"]
+    assert rows["AdamW"]["bit_for_bit"] is True
+    # the check can fail: a roundpipe step that is not the kernel's
+    real = stored.make
+
+    def other(mode, dtype_, config, name, params, grads):
+        opt = real(mode, dtype_, config, name, params, grads)
+        if config == stored.RP_FUSED:
+            for g in opt.param_groups:
+                g["lr"] *= 1.5
+        return opt
+
+    monkeypatch.setattr(stored, "make", other)
+    assert (
+        bench.main(f"--quick --optimizers AdamW --workloads small --fused {dtype} --repeats 1".split()) == 1
+    )
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_fused_mode_refuses_an_optimizer_without_a_kernel(capsys):
+    with pytest.raises(SystemExit):
+        bench.main("--fused --optimizers Adamax".split())
+    assert "--fused times the optimizers torch has a fused CPU kernel for" in capsys.readouterr().err
+
+
 def test_state_dtype_mode(tmp_path, capsys, monkeypatch):
     """fp32 parameters with bfloat16 state against fp32 state and torch's fused fp32 step (its
     for-loop where it has no fused kernel), the state bytes halved."""

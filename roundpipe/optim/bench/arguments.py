@@ -89,9 +89,11 @@ def _option(text: str) -> tuple[str, str, object]:
 def parse_args(argv=None):
     p = _parser()
     args = p.parse_args(argv)
-    apart = args.partners or args.dtype or args.state_dtype  # a mode of its own table
+    apart = args.partners or args.dtype or args.state_dtype or args.fused  # a mode of its own table
     if args.workloads is None:
         args.workloads = list(partners.WORKLOADS if apart else WORKLOADS)
+    if args.optimizers is None and args.fused:
+        args.optimizers = list(stored.FUSED_OPTIMIZERS)
     if args.optimizers is None:  # --partners, --dtype, --state-dtype: the elementwise optimizers
         args.optimizers = [n for n in DEFAULT_OPTIMIZERS if not (apart and is_staged(n))]
     _check_args(p, args)
@@ -203,6 +205,15 @@ def _add_modes(p) -> None:
         "and torch's fused step on them (float32 math rounded once: another result)",
     )
     p.add_argument(
+        "--fused",
+        nargs="?",
+        const="float32",
+        choices=tuple(stored.FUSED_DTYPES),
+        help="instead: fused=True on both sides, float32 (the default), bfloat16 or float16 parameters: "
+        "roundpipe against torch's fused CPU kernel (Adam, AdamW, SGD, Adagrad), checked bit for bit first "
+        "(but the declared remainder; a torch kernel known wrong is timed, not checked)",
+    )
+    p.add_argument(
         "--state-dtype",
         choices=tuple(stored.DTYPES),
         help="instead: fp32 parameters with bfloat16 (or float16) state (state_dtype=): roundpipe "
@@ -222,13 +233,14 @@ def _check_args(p, args):
     eight = [n for n in args.optimizers if n in EIGHTBIT_OPTIMIZERS]
     modes = [m for m, on in (("--partners", args.partners), ("--dtype", args.dtype)) if on]
     modes += ["--state-dtype"] if args.state_dtype else []
+    modes += ["--fused"] if args.fused else []
     if eight and (modes or args.first_use or args.plot):
         without = ", ".join(modes) or "--first-use or --plot"
         p.error(f"{', '.join(eight)}: timed in the normal mode, without {without}")
     runs = modes + (["--first-use"] if args.first_use else [])
     if len(runs) > 1:
         p.error(f"{' and '.join(runs)} are different runs: give one")
-    if args.dtype or args.state_dtype:
+    if args.dtype or args.state_dtype or args.fused:
         stored.check_args(p, args)
     if args.partners:
         others = [w for w in args.workloads if w not in partners.WORKLOADS]

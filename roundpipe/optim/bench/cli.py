@@ -161,6 +161,8 @@ def _run_meta(args, busy_pids, warmup, repeats, fused) -> dict:
 
 def _stored_mode(args):
     """``("dtype" | "state_dtype", dtype name)`` of ``--dtype`` or ``--state-dtype`` (stored.py)."""
+    if getattr(args, "fused", None):
+        return ("fused", args.fused)
     if getattr(args, "dtype", None):
         return ("dtype", args.dtype)
     if getattr(args, "state_dtype", None):
@@ -371,7 +373,7 @@ def main(argv=None) -> int:
         elif args.partners:
             text, doc = partners.report(result), partners.to_json(result)
             failures = partners.failures_of(result)
-        elif args.dtype or args.state_dtype:
+        elif args.dtype or args.state_dtype or args.fused:
             text, doc, failures = stored.report(result), stored.to_json(result), stored.failures_of(result)
         else:
             text, doc = report(result, args.backends), to_json(result, args.backends)

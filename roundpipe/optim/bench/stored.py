@@ -1,6 +1,6 @@
 """``--dtype bfloat16|float16`` and ``--state-dtype bfloat16|float16``: the 16-bit layouts of
-``roundpipe.optim.storage`` (docs/low-precision.md), timed against torch's paths on the same
-values, each checked first.
+``roundpipe.optim.storage`` (docs/low-precision.md), and ``--fused [float32|bfloat16|float16]``,
+timed against torch's paths on the same values, each checked first.
 
 * ``--dtype``: 16-bit parameters, gradients and state, stepped as they are. Configurations:
   ``roundpipe`` (the default backend), ``torch for-loop`` (``foreach=False``: its ops round to the
@@ -13,6 +13,12 @@ values, each checked first.
   one, else its for-loop). The first is checked against its definition, torch's for-loop on the
   same fp32 parameters with the state rounded to the dtype before and after each step, bit for
   bit.
+
+* ``--fused``: ``fused=True`` on both sides, on parameters of the dtype. Configurations:
+  ``roundpipe fused=True`` (the default backend) and ``torch fused=True`` (its CPU kernel: the
+  ground truth, checked bit for bit but the declared remainder, docs/contract.md). Where the
+  installed torch's 16-bit kernel is known wrong (``KNOWN_WRONG``), it is timed but not checked
+  against, and the row says so.
 
 Each row shows the state bytes per parameter element of every configuration (measured after
 the checked steps) and the bytes a one-pass step moves per element (``stored_bytes``).
@@ -33,22 +39,30 @@ from .traffic import bytes_per_element
 from .workloads import OPTIONS, is_staged, spec_of, state_mismatch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+FUSED_DTYPES = {"float32": torch.float32, **DTYPES}
+FUSED_OPTIMIZERS = tuple(n for n, s in SPECS.items() if getattr(s, "fused_kernel", False))
+# torch's 16-bit fused kernels that are wrong before the release named (docs/contract.md)
+KNOWN_WRONG = {"SGD": (2, 14), "Adagrad": (2, 14)}
 WORKLOADS = ("large", "small", "transformer")
 STEPS_CHECKED = 2
 RP, LOOP, FUSED = "roundpipe", "torch for-loop", "torch fused (fp32, 1 rounding)"  # --dtype
 RP_FP32, FUSED_FP32, LOOP_FP32 = "roundpipe fp32 state", "torch fused fp32", "torch for-loop fp32"
+RP_FUSED, TORCH_FUSED = "roundpipe fused=True", "torch fused=True"  # --fused
+NOT_CHECKED = "not checked (timed)"
 
 
 def configs(mode: str, dtype_name: str, fused: bool) -> tuple:
     """The configurations of ``mode`` (``"dtype"`` or ``"state_dtype"``), roundpipe's first."""
     if mode == "dtype":
         return (RP, LOOP, *([FUSED] if fused else []))
+    if mode == "fused":
+        return (RP_FUSED, TORCH_FUSED)
     return (f"roundpipe {dtype_name} state", RP_FP32, FUSED_FP32 if fused else LOOP_FP32)
 
 
 def check_args(p, args):
     """What the two modes refuse (``p.error`` exits)."""
-    flag = "--dtype" if args.dtype else "--state-dtype"
+    flag = "--fused" if args.fused else "--dtype" if args.dtype else "--state-dtype"
     others = [w for w in args.workloads if w not in WORKLOADS]
     if others:
         p.error(f"{flag} times {', '.join(WORKLOADS)}, not {', '.join(others)}")
@@ -59,11 +73,16 @@ def check_args(p, args):
     staged = [n for n in args.optimizers if is_staged(n)]
     if staged:
         p.error(f"{flag} times the elementwise optimizers, not {', '.join(staged)}")
+    unfused = [n for n in args.optimizers if args.fused and n not in FUSED_OPTIMIZERS]
+    if unfused:
+        p.error(
+            f"--fused times the optimizers torch has a fused CPU kernel for ({', '.join(FUSED_OPTIMIZERS)})"
+        )
 
 
 def make(mode, dtype, config, name, base_params, base_grads):
     """A configuration's optimizer over fresh copies of the inputs (16-bit ones for ``--dtype``)."""
-    cast = dtype if mode == "dtype" else torch.float32
+    cast = torch.float32 if mode == "state_dtype" else dtype
     params = []
     for p, g in zip(base_params, base_grads, strict=True):
         q = torch.nn.Parameter(p.to(cast, copy=True))
@@ -73,8 +92,10 @@ def make(mode, dtype, config, name, base_params, base_grads):
     torch_class = spec_of(name).torch_class
     if config in (LOOP, LOOP_FP32):
         return torch_class(params, foreach=False, **kwargs)
-    if config in (FUSED, FUSED_FP32):
+    if config in (FUSED, FUSED_FP32, TORCH_FUSED):
         return torch_class(params, fused=True, **kwargs)
+    if config == RP_FUSED:
+        return getattr(rp_optim, name)(params, backend=rp_backends.DEFAULT, fused=True, **kwargs)
     stored = {} if config in (RP, RP_FP32) else {"state_dtype": dtype}
     return getattr(rp_optim, name)(params, backend=rp_backends.DEFAULT, **stored, **kwargs)
 
@@ -99,6 +120,8 @@ def check(mode, dtype, dtype_name, name, base_params, base_grads, fused) -> tupl
     ``note``: how far ``torch fused`` on 16-bit tensors is from the for-loop."""
     numel = max(sum(p.numel() for p in base_params), 1)
     names = configs(mode, dtype_name, fused)
+    if mode == "fused":
+        return _check_fused(dtype, name, base_params, base_grads, numel)
     truth = LOOP if mode == "dtype" else LOOP_FP32
     opts = {c: make(mode, dtype, c, name, base_params, base_grads) for c in (*names, truth)}
     try:
@@ -132,6 +155,60 @@ def check(mode, dtype, dtype_name, name, base_params, base_grads, fused) -> tupl
     return verdict, note, nbytes
 
 
+def known_wrong(name: str, dtype) -> bool:
+    """Whether the installed torch's 16-bit fused kernel of ``name`` is known wrong."""
+    fixed = KNOWN_WRONG.get(name)
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return dtype is not torch.float32 and fixed is not None and version < fixed
+
+
+def _remainder(t: torch.Tensor) -> int:
+    """How many of ``t``'s last elements torch's fused kernel steps in its scalar remainder,
+    which the contract declares (docs/contract.md, ``fused=True``)."""
+    if t.dtype is torch.float32:
+        return t.numel() % 8
+    from roundpipe.optim.backends import low_precision
+
+    return t.numel() % low_precision.rounding(t.dtype).step
+
+
+def _check_fused(dtype, name, base_params, base_grads, numel) -> tuple:
+    """``check`` of ``--fused``: roundpipe's fused step against torch's after ``STEPS_CHECKED``
+    steps, parameters and state bit for bit outside each tensor's remainder (its differing
+    elements counted in the note); a known-wrong torch kernel is timed, not checked against."""
+    opts = [make("fused", dtype, c, name, base_params, base_grads) for c in (RP_FUSED, TORCH_FUSED)]
+    try:
+        for _ in range(STEPS_CHECKED):
+            for opt in opts:
+                opt.step()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}".strip(), None, {}
+    nbytes = {c: state_bytes(o.state) / numel for c, o in zip((RP_FUSED, TORCH_FUSED), opts, strict=True)}
+    if known_wrong(name, dtype):
+        return None, f"{NOT_CHECKED}: torch {torch.__version__}'s {dtype} kernel is known wrong", nbytes
+    verdict, note = _fused_mismatch(*opts)
+    return verdict, note, nbytes
+
+
+def _fused_mismatch(ours, theirs) -> tuple:
+    pairs = []
+    for p, q in zip(_params(ours), _params(theirs), strict=True):
+        pairs.append((p.detach(), q.detach()))
+        pairs += [(v, theirs.state[q][k]) for k, v in ours.state[p].items() if k != "step"]
+    in_remainder = 0
+    for a, b in pairs:
+        a, b = a.reshape(-1), b.reshape(-1)
+        cut = a.numel() - _remainder(a)
+        ints = torch.int32 if a.dtype is torch.float32 else torch.int16
+        if not torch.equal(a[:cut].view(ints), b[:cut].view(ints)):
+            return (
+                f"AssertionError: {int((a[:cut].view(ints) != b[:cut].view(ints)).sum())} elements differ",
+                None,
+            )
+        in_remainder += int((a[cut:].view(ints) != b[cut:].view(ints)).sum())
+    return None, f"{in_remainder} elements differ in the declared remainder"
+
+
 def stored_bytes(name: str, mode: str, dtype) -> int:
     """The bytes a one-pass step of ``name`` moves per element (``traffic``): each tensor it
     reads and each it writes, at 2 bytes a 16-bit one."""
@@ -139,14 +216,14 @@ def stored_bytes(name: str, mode: str, dtype) -> int:
     low = dtype.itemsize
 
     def size(t):
-        return low if mode == "dtype" or t not in ("param", "grad") else 4
+        return low if mode != "state_dtype" or t not in ("param", "grad") else 4
 
     return sum(size(t) for t in (*read, *written))
 
 
 def bench_row(mode, name, dtype_name, fused, base_params, base_grads, warmup, repeats, wl, before=None):
     """The check, then the configurations timed by ``bench_one``."""
-    dtype = DTYPES[dtype_name]
+    dtype = FUSED_DTYPES[dtype_name]
     verdict, note, nbytes = check(mode, dtype, dtype_name, name, base_params, base_grads, fused)
     if verdict is not None:
         log(f"  [{wl}] {name}: MISMATCH with its ground truth: {verdict}")
@@ -176,7 +253,7 @@ def derived(row: Row, meta: dict) -> dict:
         "mode": mode,
         "dtype": dtype_name,
         "configs": list(names),
-        "bytes_per_element": stored_bytes(row.optimizer, mode, DTYPES[dtype_name]),
+        "bytes_per_element": stored_bytes(row.optimizer, mode, FUSED_DTYPES[dtype_name]),
         "state_bytes_per_element_by_config": row.state_bytes_by_config,
         "speedups": {c: ms[c] / ours for c in names[1:] if ok and ours and ms.get(c)},
         "bit_for_bit": ok,
@@ -194,6 +271,8 @@ def _columns(mode: str, dtype_name: str) -> tuple:
     """A table's time columns (each row's configuration in it: ``_cell``)."""
     if mode == "dtype":
         return (RP, LOOP, FUSED)
+    if mode == "fused":
+        return (RP_FUSED, TORCH_FUSED)
     return (f"roundpipe {dtype_name} state", RP_FP32, "torch fp32")
 
 
@@ -221,17 +300,22 @@ def format_table(wl: str, res: dict, meta: dict) -> str:
         nbytes = d["state_bytes_per_element_by_config"]
         state = " / ".join("n/a" if c is None else f"{nbytes[c]:.2f}" for c in found)
         lines.append([row.optimizer, *cells, *speedups, state, str(d["bytes_per_element"])])
-        verdicts.append(
-            f"  {row.optimizer}: "
-            + ("equal" if d["bit_for_bit"] else f"MISMATCH: {row.checks[found[0]]}")
-            + (f"; {d['fused_note']}" if d["fused_note"] else "")
-        )
-    what = (
-        f"{dtype_name} parameters, gradients and state, stepped as they are"
-        if mode == "dtype"
-        else f"fp32 parameters and gradients, {dtype_name} state (state_dtype=torch.{dtype_name})"
-    )
-    truth = "torch's for-loop on them" if mode == "dtype" else "the composition with torch's for-loop"
+        note = d["fused_note"] or ""
+        if not d["bit_for_bit"]:
+            verdict = f"MISMATCH: {row.checks[found[0]]}"
+        else:
+            verdict = "" if note.startswith(NOT_CHECKED) else "equal"
+        verdicts.append(f"  {row.optimizer}: " + "; ".join(x for x in (verdict, note) if x))
+    what = {
+        "dtype": f"{dtype_name} parameters, gradients and state, stepped as they are",
+        "fused": f"fused=True on {dtype_name} parameters",
+        "state_dtype": f"fp32 parameters and gradients, {dtype_name} state (state_dtype=torch.{dtype_name})",
+    }[mode]
+    truth = {
+        "dtype": "torch's for-loop on them",
+        "fused": "torch's fused kernel (but the declared remainder)",
+        "state_dtype": "the composition with torch's for-loop",
+    }[mode]
     head = ["optimizer", *columns, *[f"vs {n}" for n in columns[1:]]]
     head += ["state B/param (" + " / ".join(columns) + ")", "B/elem"]
     return "\n".join(
@@ -247,7 +331,13 @@ def format_table(wl: str, res: dict, meta: dict) -> str:
 
 def report(result: dict) -> str:
     mode, dtype_name = result["meta"]["stored"]
-    if mode == "dtype":
+    if mode == "fused":
+        checked = (
+            f"checked before timing: roundpipe's fused=True against torch's fused kernel on the same "
+            f"{dtype_name} parameters, {STEPS_CHECKED} steps, parameters and every state tensor bit for bit "
+            "outside each tensor's declared remainder (docs/contract.md)"
+        )
+    elif mode == "dtype":
         checked = (
             f"checked before timing: roundpipe against torch's for-loop on the same {dtype_name} tensors "
             f"(the ground truth; torch fused computes in float32 and rounds once: another result, not "

@@ -68,7 +68,7 @@ def run_step(opt, backend: Backend, factors=None) -> None:
             opt.__dict__[_PLAN] = None  # rebuilt (and re-validated) by the next step
             raise
         if ready is not None:
-            _write_and_launch(*ready)
+            _write_and_launch(*ready, factors)
             return
     created: list = []
     try:
@@ -93,7 +93,7 @@ def run_step(opt, backend: Backend, factors=None) -> None:
         opt.__dict__[_PLAN] = None  # rebuilt (and re-validated) by the next step
         raise
     # Nothing has been written so far; every check has passed.
-    _write_and_launch(writeback, ready)
+    _write_and_launch(writeback, ready, factors)
     for st, name, rounded in plan.deferred:  # (float32 this step, as the float32 step created it)
         st[name] = rounded.copy_(st[name])
     plan.deferred = []
@@ -101,7 +101,9 @@ def run_step(opt, backend: Backend, factors=None) -> None:
         plan.replay = _replay_of(backend, plan, launches)
 
 
-def _write_and_launch(writeback, ready):
+def _write_and_launch(writeback, ready, factors):
+    if factors is not None and factors.before_launch is not None:
+        factors.before_launch()
     for unit, scratch in writeback:
         unit.write(scratch)
     for launch in ready:

@@ -12,17 +12,13 @@ that mix ``fused`` with the for-loop. Each dtype's parameters: 0-d, 1, 15 and 17
 
 The ground truth on bfloat16 and float16 is torch's fused kernel where the installed torch's is
 right, and otherwise (``KNOWN_WRONG``: 2.13's 16-bit SGD and Adagrad) what the release that fixed
-it computes: torch's float32 kernel on the widened tensors, each stored tensor rounded once
-(``WidenedFused``), which a test holds equal to torch's own 16-bit kernels wherever they are right.
+it computes: torch's float32 kernel on the widened tensors, each stored tensor rounded once, cut
+in the 16-bit kernels' remainder (``WidenedFused``), which a test holds equal to torch's own
+16-bit kernels wherever they are right.
 
-One declared deviation (docs/contract.md, "fused=True"): on float32, torch's kernel steps the
-last ``numel % 8`` elements of a parameter in the scalar remainder of its compiler-vectorized
-tail loop (its vector loop takes 16 elements, the tail loop 8), which contracts ``exp_avg_sq *
-beta2 + (1 - beta2) * grad * grad`` around the other product (``fma(exp_avg_sq, beta2, ...)``):
-``exp_avg_sq`` differs by an ulp there in some of those elements, and the parameter follows
-(not modelled yet). Those elements are compared with ``assert_close``; every other element bit
-for bit. The span holds on either ISA: where the kernel's vector loop takes 8 (AVX2), its whole
-tail is within the last ``numel % 8``.
+Every element bit for bit, the kernels' scalar remainder included (the last ``numel % 8``
+float32 elements, ``numel % 16`` 16-bit ones, which contract a multiply-add otherwise: the
+spec's ``remainder`` option, its step measured by ``fused_kernels.remainder_step``).
 """
 
 from __future__ import annotations
@@ -32,10 +28,9 @@ import itertools
 
 import pytest
 import torch
-from torch.torch_version import TorchVersion
 
 import roundpipe.optim as ro
-from roundpipe.optim.backends import low_precision
+from roundpipe.optim import fused_kernels
 from roundpipe.optim.threads import torch_threads
 
 from .harness import bits_mismatch
@@ -100,57 +95,72 @@ def _params(dtype):
     return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in SHAPES]
 
 
-# torch releases whose 16-bit fused kernel is wrong, and the release that fixed it
-KNOWN_WRONG = {
-    "SGD": "2.14",  # pytorch#191763: vector blocks not stepped, the buffer read as float32
-    "Adagrad": "2.14",  # clr, eps and weight_decay rounded to the parameter's dtype in the body
-}
-
-
 def _known_wrong(name: str, dtype) -> bool:
-    fixed = KNOWN_WRONG.get(name)
-    return dtype is not torch.float32 and fixed is not None and TorchVersion(torch.__version__) < fixed
+    return fused_kernels.known_wrong(name, dtype)
 
 
 class WidenedFused:
     """torch's float32 fused optimizer stepping widened copies of 16-bit parameters, each stored
     tensor (parameter, state) rounded back to the parameter's dtype once a step: what a 16-bit
-    fused kernel computes from torch 2.14 on. ``state`` is keyed by the 16-bit parameters."""
+    fused kernel computes from torch 2.14 on. Its scalar remainder is the last ``numel % 16``
+    elements (``fused_kernels.remainder_step``), the float32 kernel's ``numel % 8``: each
+    parameter is stepped in pieces, the elements before its remainder (a multiple of 16, all in
+    the float32 kernel's vector loop) and its remainder in pieces of at most 7 (all in the float32
+    kernel's scalar loop). ``state`` is keyed by the 16-bit parameters."""
 
     def __init__(self, cls, groups, **kwargs):
-        self.groups = groups
-        self.wide = {}
+        self.pieces = {}  # 16-bit parameter -> its float32 pieces
         wide_groups = []
         for group in groups:
-            wide = [p.detach().float().requires_grad_() for p in group["params"]]
-            self.wide.update(zip(group["params"], wide, strict=True))
+            wide = []
+            for p in group["params"]:
+                self.pieces[p] = self._cut(p)
+                wide += self.pieces[p]
             wide_groups.append({**group, "params": wide})
         self.opt = cls(wide_groups, **kwargs)
         self._round()  # (Adagrad's initial sum, in the parameter's dtype)
 
+    @staticmethod
+    def _cut(p):
+        flat = p.detach().float().reshape(-1)
+        n = flat.numel()
+        body = n - n % fused_kernels.remainder_step(p.dtype)
+        spans = [(0, body)] if body or not n else []
+        spans += [(a, min(a + 7, n)) for a in range(body, n, 7)]
+        return [flat[a:b].clone().requires_grad_() for a, b in spans]
+
     def _round(self):
-        for p, w in self.wide.items():
-            with torch.no_grad():
-                w.copy_(w.to(p.dtype))
-            for key, v in self.opt.state.get(w, {}).items():
-                if key != "step":
-                    v.copy_(v.to(p.dtype))
+        for p, pieces in self.pieces.items():
+            for w in pieces:
+                with torch.no_grad():
+                    w.copy_(w.to(p.dtype))
+                for key, v in self.opt.state.get(w, {}).items():
+                    if key != "step":
+                        v.copy_(v.to(p.dtype))
 
     def step(self):
-        for p, w in self.wide.items():
-            w.grad = None if p.grad is None else p.grad.float()
+        for p, pieces in self.pieces.items():
+            grads = None if p.grad is None else p.grad.float().reshape(-1).split([w.numel() for w in pieces])
+            for i, w in enumerate(pieces):
+                w.grad = None if grads is None else grads[i].clone()
         self.opt.step()
         self._round()
-        for p, w in self.wide.items():
+        for p, pieces in self.pieces.items():
             with torch.no_grad():
-                p.copy_(w)
+                p.copy_(torch.cat([w.detach() for w in pieces]).reshape(p.shape))
 
     @property
     def state(self):
         out = {}
-        for p, w in self.wide.items():
-            if w in self.opt.state:
-                out[p] = {k: v if k == "step" else v.to(p.dtype) for k, v in self.opt.state[w].items()}
+        for p, pieces in self.pieces.items():
+            if pieces[0] in self.opt.state:
+                first = self.opt.state[pieces[0]]
+                out[p] = {
+                    k: v
+                    if k == "step"
+                    else torch.cat([self.opt.state[w][k] for w in pieces]).reshape(p.shape).to(p.dtype)
+                    for k, v in first.items()
+                }
         return out
 
 
@@ -183,36 +193,9 @@ def _theirs(name, dtype, groups, kwargs):
     return _Split(WidenedFused(cls, fused, **kwargs), *([cls(loop, **kwargs)] if loop else []))
 
 
-def _remainder(numel: int, dtype) -> torch.Tensor:
-    """The elements torch's kernel steps in its scalar remainder (the deviation): float32's
-    last ``numel % 8``; a 16-bit kernel's whole tail loop (``numel`` modulo its vector step, as
-    roundpipe's probe of this torch measures it)."""
-    step = 8 if dtype is torch.float32 else low_precision.rounding(dtype).step
-    mask = torch.zeros(numel, dtype=torch.bool)
-    mask[numel - numel % step :] = True
-    return mask
-
-
-# where the remainder's other contraction survives rounding to 16 bits: SGD's momentum buffer,
-# an ulp that the recursion carries on (2 bfloat16 ulps after 10 steps, measured)
-REMAINDER_16BIT = ("SGD",)
-# the remainder's tolerance: a few float32 ulps of the O(1) values (absolute, as the ulp of a
-# sum that cancels stays the operands'), or four ulps of the 16-bit dtype
-REMAINDER_TOLERANCE = {
-    torch.float32: dict(rtol=1e-5, atol=1e-6),
-    torch.bfloat16: dict(rtol=2**-6, atol=1e-4),
-    torch.float16: dict(rtol=2**-9, atol=1e-4),
-}
-
-
 def _compare(ours, theirs, dtype, what, name=None):
     assert ours.dtype == theirs.dtype == dtype and ours.shape == theirs.shape, what
     ours, theirs = ours.detach().reshape(-1), theirs.detach().reshape(-1)
-    if dtype is torch.float32 or name in REMAINDER_16BIT:
-        off = _remainder(ours.numel(), dtype)
-        tolerance = REMAINDER_TOLERANCE[dtype]
-        torch.testing.assert_close(ours[off], theirs[off], **tolerance, equal_nan=True, msg=what)
-        ours, theirs = ours[~off], theirs[~off]
     problem = bits_mismatch(ours, theirs, nan_bits=dtype is not torch.float32)
     assert problem is None, f"{what}: {problem}"
 
@@ -303,39 +286,37 @@ def test_16bit_fused_kernels_are_the_float32_kernel_widened_where_right(name, dt
     )
 
 
-def test_sgd_late_first_gradient_steps_as_the_for_loop():
+def test_sgd_late_first_gradient_starts_its_buffer_at_the_gradient():
     """A parameter whose first gradient comes after the others have momentum buffers (a layer
     unfrozen later): torch's fused SGD raises a TypeError; roundpipe's starts its buffer at the
-    gradient, as the for-loop does (declared in docs/contract.md). float32, where the fused
-    kernel's arithmetic is the for-loop's (the remainder aside, ``_compare``)."""
+    gradient, as the for-loop does (declared in docs/contract.md): what torch's fused SGD
+    computes when each parameter has an optimizer of its own, bit for bit."""
     kwargs = dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1)
     g = torch.Generator().manual_seed(11)
     start = [torch.randn(n, generator=g) for n in (70001, 33)]
     grads = [[torch.randn(n, generator=g) for n in (70001, 33)] for _ in range(4)]
     t_params = [torch.nn.Parameter(s.clone()) for s in start]
     r_params = [torch.nn.Parameter(s.clone()) for s in start]
-    torch_fused = torch.optim.SGD([torch.nn.Parameter(s.clone()) for s in start], fused=True, **kwargs)
-    t_opt = torch.optim.SGD(t_params, foreach=False, **kwargs)
+    together = torch.optim.SGD([torch.nn.Parameter(s.clone()) for s in start], fused=True, **kwargs)
+    alone = [torch.optim.SGD([p], fused=True, **kwargs) for p in t_params]
     r_opt = ro.SGD(r_params, fused=True, **kwargs)
     for step, gs in enumerate(grads):
-        for params in (t_params, r_params, torch_fused.param_groups[0]["params"]):
+        for params in (t_params, r_params, together.param_groups[0]["params"]):
             for i, (p, gr) in enumerate(zip(params, gs, strict=True)):
                 p.grad = None if (i == 1 and step == 0) else gr.clone()
-        t_opt.step()
-        r_opt.step()
+        for opt in (*alone, r_opt):
+            opt.step()
         if step == 0:
-            torch_fused.step()
+            together.step()
         elif step == 1:
             with pytest.raises(TypeError, match="expected Tensor"):
-                torch_fused.step()
-        for p, q in zip(t_params, r_params, strict=True):
+                together.step()
+        for p, q, t_opt in zip(t_params, r_params, alone, strict=True):
             _compare(q, p, torch.float32, f"step {step}")
             assert set(r_opt.state[q]) == set(t_opt.state[p])
-            if not t_opt.state[p]:
-                continue
-            _compare(
-                r_opt.state[q]["momentum_buffer"], t_opt.state[p]["momentum_buffer"], torch.float32, "buf"
-            )
+            if t_opt.state[p]:
+                buf = r_opt.state[q]["momentum_buffer"]
+                _compare(buf, t_opt.state[p]["momentum_buffer"], torch.float32, "buf")
 
 
 def test_fused_refusals_are_torchs_and_before_anything_moves():

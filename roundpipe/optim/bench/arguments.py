@@ -211,7 +211,7 @@ def _add_modes(p) -> None:
         choices=tuple(stored.FUSED_DTYPES),
         help="instead: fused=True on both sides, float32 (the default), bfloat16 or float16 parameters: "
         "roundpipe against torch's fused CPU kernel (Adam, AdamW, SGD, Adagrad), checked bit for bit first "
-        "(but the declared remainder; a torch kernel known wrong is timed, not checked)",
+        "(a torch kernel known wrong is timed, not checked)",
     )
     p.add_argument(
         "--state-dtype",

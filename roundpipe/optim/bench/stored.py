@@ -16,9 +16,8 @@ timed against torch's paths on the same values, each checked first.
 
 * ``--fused``: ``fused=True`` on both sides, on parameters of the dtype. Configurations:
   ``roundpipe fused=True`` (the default backend) and ``torch fused=True`` (its CPU kernel: the
-  ground truth, checked bit for bit but the declared remainder, docs/contract.md). Where the
-  installed torch's 16-bit kernel is known wrong (``KNOWN_WRONG``), it is timed but not checked
-  against, and the row says so.
+  ground truth, checked bit for bit). Where the installed torch's 16-bit kernel is known wrong
+  (``fused_kernels.KNOWN_WRONG``), it is timed but not checked against, and the row says so.
 
 Each row shows the state bytes per parameter element of every configuration (measured after
 the checked steps) and the bytes a one-pass step moves per element (``stored_bytes``).
@@ -30,6 +29,7 @@ import torch
 
 from roundpipe import optim as rp_optim
 from roundpipe.optim import backends as rp_backends
+from roundpipe.optim import fused_kernels
 from roundpipe.optim.spec import SPECS
 
 from .report import fmt_ms, header, row_json, table_lines
@@ -41,8 +41,6 @@ from .workloads import OPTIONS, is_staged, spec_of, state_mismatch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FUSED_DTYPES = {"float32": torch.float32, **DTYPES}
 FUSED_OPTIMIZERS = tuple(n for n, s in SPECS.items() if getattr(s, "fused_kernel", False))
-# torch's 16-bit fused kernels that are wrong before the release named (docs/contract.md)
-KNOWN_WRONG = {"SGD": (2, 14), "Adagrad": (2, 14)}
 WORKLOADS = ("large", "small", "transformer")
 STEPS_CHECKED = 2
 RP, LOOP, FUSED = "roundpipe", "torch for-loop", "torch fused (fp32, 1 rounding)"  # --dtype
@@ -155,27 +153,10 @@ def check(mode, dtype, dtype_name, name, base_params, base_grads, fused) -> tupl
     return verdict, note, nbytes
 
 
-def known_wrong(name: str, dtype) -> bool:
-    """Whether the installed torch's 16-bit fused kernel of ``name`` is known wrong."""
-    fixed = KNOWN_WRONG.get(name)
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    return dtype is not torch.float32 and fixed is not None and version < fixed
-
-
-def _remainder(t: torch.Tensor) -> int:
-    """How many of ``t``'s last elements torch's fused kernel steps in its scalar remainder,
-    which the contract declares (docs/contract.md, ``fused=True``)."""
-    if t.dtype is torch.float32:
-        return t.numel() % 8
-    from roundpipe.optim.backends import low_precision
-
-    return t.numel() % low_precision.rounding(t.dtype).step
-
-
 def _check_fused(dtype, name, base_params, base_grads, numel) -> tuple:
     """``check`` of ``--fused``: roundpipe's fused step against torch's after ``STEPS_CHECKED``
-    steps, parameters and state bit for bit outside each tensor's remainder (its differing
-    elements counted in the note); a known-wrong torch kernel is timed, not checked against."""
+    steps, parameters and state bit for bit; a known-wrong torch kernel is timed, not checked
+    against."""
     opts = [make("fused", dtype, c, name, base_params, base_grads) for c in (RP_FUSED, TORCH_FUSED)]
     try:
         for _ in range(STEPS_CHECKED):
@@ -184,29 +165,16 @@ def _check_fused(dtype, name, base_params, base_grads, numel) -> tuple:
     except Exception as e:
         return f"{type(e).__name__}: {e}".strip(), None, {}
     nbytes = {c: state_bytes(o.state) / numel for c, o in zip((RP_FUSED, TORCH_FUSED), opts, strict=True)}
-    if known_wrong(name, dtype):
+    if fused_kernels.known_wrong(name, dtype):
         return None, f"{NOT_CHECKED}: torch {torch.__version__}'s {dtype} kernel is known wrong", nbytes
     verdict, note = _fused_mismatch(*opts)
     return verdict, note, nbytes
 
 
 def _fused_mismatch(ours, theirs) -> tuple:
-    pairs = []
-    for p, q in zip(_params(ours), _params(theirs), strict=True):
-        pairs.append((p.detach(), q.detach()))
-        pairs += [(v, theirs.state[q][k]) for k, v in ours.state[p].items() if k != "step"]
-    in_remainder = 0
-    for a, b in pairs:
-        a, b = a.reshape(-1), b.reshape(-1)
-        cut = a.numel() - _remainder(a)
-        ints = torch.int32 if a.dtype is torch.float32 else torch.int16
-        if not torch.equal(a[:cut].view(ints), b[:cut].view(ints)):
-            return (
-                f"AssertionError: {int((a[:cut].view(ints) != b[:cut].view(ints)).sum())} elements differ",
-                None,
-            )
-        in_remainder += int((a[cut:].view(ints) != b[cut:].view(ints)).sum())
-    return None, f"{in_remainder} elements differ in the declared remainder"
+    """``(verdict, note)``: None if parameters and state are torch's bit for bit."""
+    ref_state = {p: {k: v for k, v in st.items() if k != "step"} for p, st in theirs.state.items()}
+    return state_mismatch(ours.state, _params(ours), ref_state, _params(theirs), True), None
 
 
 def stored_bytes(name: str, mode: str, dtype) -> int:
@@ -313,7 +281,7 @@ def format_table(wl: str, res: dict, meta: dict) -> str:
     }[mode]
     truth = {
         "dtype": "torch's for-loop on them",
-        "fused": "torch's fused kernel (but the declared remainder)",
+        "fused": "torch's fused kernel",
         "state_dtype": "the composition with torch's for-loop",
     }[mode]
     head = ["optimizer", *columns, *[f"vs {n}" for n in columns[1:]]]
@@ -334,8 +302,7 @@ def report(result: dict) -> str:
     if mode == "fused":
         checked = (
             f"checked before timing: roundpipe's fused=True against torch's fused kernel on the same "
-            f"{dtype_name} parameters, {STEPS_CHECKED} steps, parameters and every state tensor bit for bit "
-            "outside each tensor's declared remainder (docs/contract.md)"
+            f"{dtype_name} parameters, {STEPS_CHECKED} steps, parameters and every state tensor bit for bit"
         )
     elif mode == "dtype":
         checked = (

@@ -3,9 +3,11 @@
 
 The fused kernel's float32 arithmetic is the for-loop's, contracted as torch's ops contract
 (``grad + param * weight_decay``, ``buf * momentum + grad * (1 - dampening)`` around the second
-product, ``param - grad * lr``): one program serves both. On a bfloat16 or float16 parameter it
-is that arithmetic on the widened tensors, each stored tensor rounded once (torch >= 2.14; 2.13's
-16-bit kernel is wrong, pytorch#191763, and is not followed). torch's fused step raises a
+product, ``param - grad * lr``): one program serves both, but in the kernel's scalar remainder
+(``remainder``, ``fused_kernels.py``), which contracts the buffer's around the first. On a
+bfloat16 or float16 parameter it is that arithmetic on the widened tensors, each stored tensor
+rounded once (torch >= 2.14; 2.13's 16-bit kernel is wrong, pytorch#191763, and is not
+followed). torch's fused step raises a
 TypeError when a group mixes parameters with and without a momentum buffer (a first gradient
 that comes late); roundpipe steps such a parameter as the for-loop does, its buffer starting at
 the gradient.
@@ -18,6 +20,7 @@ selects that program for the step.
 import torch
 
 from .core import OptimizerSpec, to_scalar, zeros_like
+from .ir import add
 from .shared import add_on_complex, gradient
 
 
@@ -65,6 +68,8 @@ def statements(o, b):
         buf = b.tensor("momentum_buffer")
         if o.first:
             b.assign(buf, grad)
+        elif o.get("remainder"):  # the fused kernel's scalar remainder: fma(buf, momentum, ...)
+            b.assign(buf, add(grad * s.one_minus_dampening, buf, s.momentum))
         else:
             b.assign(buf, add_on_complex(o, buf * s.momentum, grad, s.one_minus_dampening))
         if o.nesterov:

@@ -95,10 +95,15 @@ def weight_decay_scalars(group, lr):
     return {"weight_decay": weight_decay, "weight_decay_factor": 1 - lr * weight_decay}
 
 
-def adam_moments(b, grad):
+def adam_moments(b, grad, remainder=False):
+    """``remainder``: as torch's fused kernel's scalar remainder computes them (``fused_kernels``),
+    which contracts ``exp_avg_sq``'s multiply-add around the state's product."""
     exp_avg, exp_avg_sq = b.tensor("exp_avg"), b.tensor("exp_avg_sq")
     b.assign(exp_avg, lerp(exp_avg, grad, b.s.one_minus_beta1))
-    b.assign(exp_avg_sq, addcmul(exp_avg_sq * b.s.beta2, grad, grad, value=b.s.one_minus_beta2))
+    if remainder:
+        b.assign(exp_avg_sq, add(b.s.one_minus_beta2 * grad * grad, exp_avg_sq, b.s.beta2))
+    else:
+        b.assign(exp_avg_sq, addcmul(exp_avg_sq * b.s.beta2, grad, grad, value=b.s.one_minus_beta2))
     return exp_avg, exp_avg_sq
 
 

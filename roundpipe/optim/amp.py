@@ -43,6 +43,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from . import backends, masters
+from .tensors import LOW_PRECISION
 
 # an optimizer's pending factors, by who reads the gradient: its own ``.grad`` or a partner's
 _FACTORS = "_roundpipe_grad_factors"
@@ -50,7 +51,6 @@ _CHECKED = "_roundpipe_partners_checked"  # this iteration's inf check saw the p
 _SUMS = "_roundpipe_grad_sums"  # the inf check's sums of squares, for a clip before the step
 _PARTNERS = "_roundpipe_partners"  # each group's partners (``_partners``)
 _GRAD = attrgetter("grad")
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 _VERSION = attrgetter("_version")
 
 
@@ -378,7 +378,7 @@ def _total(opt, grads, paired, norm_type, factors):
     backend has no such pass (or for other orders than 1, 2, inf)."""
     if norm_type not in _ORDERS:
         return None
-    if any(g.dtype in _LOW_PRECISION and not p for g, p in zip(grads, paired, strict=True)):
+    if any(g.dtype in LOW_PRECISION and not p for g, p in zip(grads, paired, strict=True)):
         return None  # a bfloat16/float16 parameter's own gradients: torch's norms, in their dtype
     parts = []
     for side in (False, True):
@@ -451,7 +451,7 @@ def _norms(grads, norm_type, factors=(), widen=True):
     bit for bit. Where that allows, a read of the gradients as they are (torch widens on load)
     and the factors applied to the norms; otherwise the scaled gradient is made one tensor at a
     time (a low-precision one rounded to its dtype by each factor, as torch's in-place ``mul_``)."""
-    if not widen and any(g.dtype in _LOW_PRECISION for g in grads):
+    if not widen and any(g.dtype in LOW_PRECISION for g in grads):
         if factors:
             return [torch.linalg.vector_norm(_as_stepped(g, factors, widen), norm_type) for g in grads]
         return list(torch._foreach_norm(grads, norm_type))

@@ -42,9 +42,9 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .tensors import is_dtensor
+from .tensors import LOW_PRECISION, is_dtensor
 
-PARTNER_DTYPES = (torch.bfloat16, torch.float16)
+PARTNER_DTYPES = LOW_PRECISION
 _ATTR = "_roundpipe_partner"
 _SUPERSEDED = "_roundpipe_superseded"  # a later pairing took this master's partner
 # each partner's live master, weakly both ways (off the partner itself, which a user may pickle)

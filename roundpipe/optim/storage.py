@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tensors import LOW_PRECISION
+
 # the state dtypes offered: a 16-bit one stores the moments at 2 bytes an element
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STOCHASTIC_DTYPES = (torch.bfloat16,)
@@ -57,7 +59,7 @@ class Storage:
     def widened(self, dtype: torch.dtype) -> bool:
         """Whether a parameter of ``dtype`` is stepped widened (see the module docstring)."""
         if self.fused:
-            return dtype in (torch.bfloat16, torch.float16)
+            return dtype in LOW_PRECISION
         return self.stochastic or (self.state_dtype is not None and self.state_dtype is not dtype)
 
     def problem(self, dtype: torch.dtype) -> str | None:

@@ -12,6 +12,10 @@ import sys
 
 import torch
 
+# the 16-bit dtypes a step takes as they are (stepped in their own precision or widened), and the
+# partners' of fp32 masters: written here once
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
 # the tensor types a step reads without unwrapping (a subclass may be a wrapper: refused)
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 

@@ -42,10 +42,9 @@ import torch
 from .. import threads
 from ..backend_api import Backend
 from ..spec.ir import Call, walk
-from ..tensors import contiguous_run
+from ..tensors import LOW_PRECISION, contiguous_run
 from . import CompileCache, composed, numba_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
-from .low_precision import LOW_PRECISION
 from .numba_engine import blockwise as numba_blockwise
 from .numba_engine import staged as numba_staged
 from .numba_engine import staged_probes

@@ -33,7 +33,6 @@ import torch
 
 # at::internal::GRAIN_SIZE: at most this many elements an op runs on one thread
 GRAIN_SIZE = 32768
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

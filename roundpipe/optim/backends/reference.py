@@ -16,7 +16,7 @@ import torch
 
 from ..backend_api import Backend
 from ..spec.core import GRAD_FACTOR, factors_of
-from ..spec.ir import STOCHASTIC, Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor
+from ..spec.ir import Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor, param_rounding
 from ..storage import param_key, stochastic_round_
 from . import composed, segments
 from .torch_ops import BINARY, FUNCTIONS, norm, quantize_
@@ -82,7 +82,7 @@ def run_stored(program, scalars, tensors, pid=None):
         t = tensors[n]
         if t is wide[n]:
             continue
-        if n == "param" and program.storage == STOCHASTIC:
+        if n == "param" and param_rounding(program.storage) == "stochastic":
             stochastic_round_(t, wide[n], param_key(step_key_of(scalars), pid))
         else:
             t.copy_(wide[n])

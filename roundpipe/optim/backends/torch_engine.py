@@ -18,9 +18,10 @@ import torch
 
 from .. import threads
 from ..spec.core import GRAD_FACTOR, factors_of
-from ..spec.ir import STOCHASTIC, Assign, Bin, Const, Let, Scalar, Tensor
+from ..spec.ir import Assign, Bin, Const, Let, Scalar, Tensor, param_rounding
 from ..storage import param_key, stochastic_round_
-from .low_precision import LOW_PRECISION, torch_chunks
+from ..tensors import LOW_PRECISION
+from .low_precision import torch_chunks
 from .torch_ops import BINARY, COMPARISONS, FUNCTIONS
 
 # Elements per chunk: as many as keep a chunk's working set (each tensor the program touches,
@@ -106,7 +107,7 @@ class TorchProgram:
     def _store(self, out, value, name, scalars, pid, start):
         """A widened target's chunk back in its dtype: nearest even (``copy_``), or a STOCHASTIC
         program's parameter rounded stochastically (its elements from ``start`` on)."""
-        if name == "param" and self.storage == STOCHASTIC:
+        if name == "param" and param_rounding(self.storage) == "stochastic":
             key = (int(scalars["sr_hi"]) << 16) | int(scalars["sr_lo"])
             stochastic_round_(out, value, param_key(key, pid), start)
         else:

@@ -9,12 +9,12 @@ import operator
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..tensors import PLAIN_TYPES, dtensor_types, is_dtensor, local
+from ..tensors import LOW_PRECISION, PLAIN_TYPES, dtensor_types, is_dtensor, local
 
 SUPPORTED_DTYPES = (torch.float32, torch.complex64)
 # parameters the elementwise optimizers also step as they are, rounding each op to their dtype
 # as torch does (docs/low-precision.md); the staged ones refuse them (``tensor_problem``)
-LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
+LOW_PRECISION_DTYPES = LOW_PRECISION
 _STRIDED = torch.strided
 _PLAIN = PLAIN_TYPES
 _SHAPE = operator.attrgetter("shape")

@@ -20,16 +20,15 @@ import torch
 from .. import fused_kernels
 from ..backend_api import Backend
 from ..spec.core import Scratch
-from ..spec.ir import STOCHASTIC, stored
+from ..spec.ir import StepMode, stored
 from ..storage import step_scalars
-from ..tensors import Checked
+from ..tensors import LOW_PRECISION, Checked
 from .state import rollback
 from .step_plan import build
 
 # 0-d state entries whose scalars are computed on Scratch values rather than tensor clones
 _SCRATCH_DTYPES = (torch.float32, torch.float64)
 _PLAN = "_roundpipe_plan"  # the optimizer's StepPlan, in its __dict__
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class Replay:
@@ -124,9 +123,9 @@ def _unit_scalars(opt, gp, unit):
         # bools are flags (they select the program), the rest float scalars
         values = {k: v if type(v) is float else float(v) for k, v in computed.items() if type(v) is not bool}
         if unit.storage:  # stepped widened: torch's float32 step, its scalars as float32's
-            if unit.storage == STOCHASTIC:
+            if unit.storage == StepMode.STOCHASTIC:
                 values.update(step_scalars(opt._roundpipe_sr_seed, opt._roundpipe_sr_steps))
-        elif unit.dtype in _LOW_PRECISION and opt.spec.low_precision_scalars is not None:
+        elif unit.dtype in LOW_PRECISION and opt.spec.low_precision_scalars is not None:
             zero_dim = unit.flags.get("zero_dim", False)
             values = opt.spec.low_precision_scalars(gp.group, values, unit.dtype, zero_dim)
     except (ValueError, TypeError, RuntimeError) as e:
@@ -233,7 +232,7 @@ def _launch(plan, program, pairing, parts, cut=None):
             for n in names
             if n != "grad"
         }
-        if program.storage == STOCHASTIC:  # each parameter's id (ints, not tensors)
+        if program.storage == StepMode.STOCHASTIC:  # each parameter's id (ints, not tensors)
             static["sr_ids"] = tuple(i for _, unit, _, _ in parts for i in unit.columns["sr_ids"])
         hit = plan.launch_caches[key] = (static, {})
     static, cache = hit

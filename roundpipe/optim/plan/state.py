@@ -9,7 +9,7 @@ import itertools
 import torch
 
 from ..storage import DEFAULT
-from ..tensors import PLAIN_TYPES, contiguous_run
+from ..tensors import LOW_PRECISION, PLAIN_TYPES, contiguous_run
 
 
 def create_state(spec, group, params, state, created, storage=DEFAULT, deferred=None):
@@ -35,7 +35,7 @@ def create_state(spec, group, params, state, created, storage=DEFAULT, deferred=
             _narrow_new(spec, p, st, n_before, storage.state_dtype_of(p.dtype), deferred)
         if p.is_complex():  # torch rounds some ops differently on complex tensors
             flags = {**flags, "complex": True}
-        elif p.dim() == 0 and p.dtype in (torch.bfloat16, torch.float16):
+        elif p.dim() == 0 and p.dtype in LOW_PRECISION:
             # a 0-d tensor hyperparameter promotes a 0-d parameter's op to float32 where it
             # is rounded to a 1-d one's dtype (spec.low_precision_scalars): a unit of its own
             flags = {**flags, "zero_dim": True}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..spec.core import Scratch
-from ..spec.ir import STOCHASTIC, WIDENED
+from ..spec.ir import StepMode
 from ..tensors import contiguous_run, real
 
 # a unit's pairing (masters.py): (its gradients' dtype, its partners' dtype or None)
@@ -26,7 +26,7 @@ class Unit:
     """Parameters of one group whose 0-d state, init flags, pairing, dtype and state dtypes are
     equal: one ``scalars`` call, and one launch's worth of tensors of one dtype each (a bfloat16
     or float16 parameter's ops round to its dtype: its launch is not a float32 one's). ``storage``:
-    its program's (``ir.Program.storage``): "" or, stepped widened (``storage.py``), WIDENED or
+    its program's (``ir.StepMode``): TORCH or, stepped widened (``storage.py``), WIDENED or
     STOCHASTIC."""
 
     # No reference back to the GroupPlan: a plan holds no reference cycle, so a replaced plan
@@ -78,7 +78,9 @@ class Unit:
             self.columns[name] = [real(st[name]) for st in states]
         if pairing[1] is not None:
             self.columns["partner"] = [group_plan.partners[i] for i in positions]
-        if self.storage == STOCHASTIC:  # (not a tensor column: each parameter's id, for its random bits)
+        if (
+            self.storage == StepMode.STOCHASTIC
+        ):  # (not a tensor column: each parameter's id, for its random bits)
             self.columns["sr_ids"] = tuple(group_plan.pids[i] for i in positions)
 
     def uniform(self) -> bool:
@@ -154,11 +156,11 @@ def bucket_units(gp, init_flags):
     return [Unit(gp, pos, dict(key[0]), *key[2:]) for key, pos in buckets.items()]
 
 
-def _storage(storage, dtype) -> str:
+def _storage(storage, dtype) -> StepMode:
     """The ``Program.storage`` a parameter of ``dtype`` is stepped with (``storage.py``)."""
     if storage is None or not storage.widened(dtype):
-        return ""
-    return STOCHASTIC if storage.stochastic else WIDENED
+        return StepMode.TORCH
+    return StepMode.STOCHASTIC if storage.stochastic else StepMode.WIDENED
 
 
 def _step_dtype(dtype):

@@ -41,6 +41,7 @@ it is built, so a typo in a spec fails the test suite, not a user's run.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from dataclasses import dataclass
 
@@ -59,7 +60,9 @@ __all__ = [
     "ProgramBuilder",
     "STOCHASTIC",
     "STOCHASTIC_SCALARS",
+    "StepMode",
     "WIDENED",
+    "param_rounding",
     "stored",
     "add",
     "addcmul",
@@ -342,6 +345,43 @@ def walk(expr: Expr):
             yield from walk(a)
 
 
+class StepMode(str, enum.Enum):
+    """How a program computes and stores its tensors (``Program.storage``), the one enumeration
+    every engine dispatches on (``param_rounding``). ``fused=True`` is not a mode: its arithmetic
+    is the spec's (its options), and it steps 16-bit parameters WIDENED (``storage.FUSED``).
+
+    * TORCH: torch's own ops on each tensor's dtype (the for-loop; a 16-bit tensor's ops round
+      one by one, as ``backends.low_precision`` measures them);
+    * WIDENED: every tensor read widened to float32, every op computed in float32 (torch's
+      float32 step), every target stored rounded to its tensor's dtype, nearest even;
+    * STOCHASTIC: so, with the parameter (bfloat16) rounded stochastically from the random bits
+      of this step's key (the scalars STOCHASTIC_SCALARS), the parameter's id and the element's
+      index (``roundpipe.optim.storage``)."""
+
+    TORCH = ""
+    WIDENED = "widened"
+    STOCHASTIC = "stochastic"
+
+
+WIDENED = StepMode.WIDENED
+STOCHASTIC = StepMode.STOCHASTIC
+
+
+def param_rounding(mode) -> str:
+    """How a program in ``mode`` stores its parameter: ``"own"`` (TORCH: its ops' own rounding),
+    ``"nearest"`` or ``"stochastic"``. Every engine asks here; a mode none knows raises."""
+    if mode == StepMode.TORCH:
+        return "own"
+    if mode == StepMode.WIDENED:
+        return "nearest"
+    if mode == StepMode.STOCHASTIC:
+        return "stochastic"
+    raise ValueError(f"unknown step mode {mode!r} (spec.ir.StepMode)")
+
+
+STOCHASTIC_SCALARS = ("sr_hi", "sr_lo")  # the step's 32-bit key, as two exact 16-bit halves
+
+
 @dataclass(frozen=True)
 class Program:
     """A validated, ordered list of statements.
@@ -357,9 +397,8 @@ class Program:
     targets: tuple
     reductions: tuple = ()  # the names of its ``norm`` statements, in order
     kinds: tuple = ()  # (input, kind) of its inputs of a kind: broadcast or quantized
-    # how its tensors are read and stored (``stored``): "" each op computed in the tensors'
-    # dtype as torch computes it; WIDENED or STOCHASTIC otherwise
-    storage: str = ""
+    # how its tensors are read and stored (``stored``): TORCH, WIDENED or STOCHASTIC
+    storage: StepMode = StepMode.TORCH
 
     @property
     def blockwise(self) -> bool:
@@ -392,21 +431,11 @@ class Program:
         return "\n".join(lines)
 
 
-# A program's storage other than torch's own (``Program.storage``; ``roundpipe.optim.storage``):
-# every tensor read widened to float32, every op computed in float32 (torch's float32 for-loop),
-# every target stored rounded to its tensor's dtype, nearest even (WIDENED); or so, with the
-# parameter (bfloat16) rounded stochastically from the random bits of this step's key, the
-# scalars STOCHASTIC_SCALARS, the parameter's id and the element's index (STOCHASTIC)
-WIDENED = "widened"
-STOCHASTIC = "stochastic"
-STOCHASTIC_SCALARS = ("sr_hi", "sr_lo")  # the step's 32-bit key, as two exact 16-bit halves
-
-
 @functools.lru_cache(maxsize=1024)
-def stored(program: Program, storage: str) -> Program:
+def stored(program: Program, storage: StepMode) -> Program:
     """``program`` with ``storage`` (WIDENED or STOCHASTIC): the same statements, another
     program (its kernels and launches are its own)."""
-    if storage not in (WIDENED, STOCHASTIC) or program.storage:
+    if storage not in (StepMode.WIDENED, StepMode.STOCHASTIC) or program.storage:
         raise ValueError(f"storage {storage!r} of a program stored as {program.storage!r}")
     scalars = program.scalars + (STOCHASTIC_SCALARS if storage == STOCHASTIC else ())
     return dataclasses.replace(program, scalars=scalars, storage=storage)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...spec.ir import param_rounding
 from .config import (
     EMULATION_INTRINSICS,
     GENERATOR_VERSION,
@@ -22,8 +23,6 @@ from .config import (
     SQRT_LANES,
 )
 from .lowering import KernelLowering, local_name, sqrt_passes
-
-_STOCHASTIC = "stochastic"  # (spec.ir.STOCHASTIC: this layer imports no spec)
 
 _PACKAGE = "roundpipe.optim.backends.numba_engine"
 _CHUNK_BYTES = 4 * SQRT_CHUNK  # a chunk of float32
@@ -125,7 +124,7 @@ def generate(
     lowering = KernelLowering(program, variant, fused, low, own)
     tensors = tuple(program.tensors) + (("partner",) if partner_dtype else ())
     lowering.views.setdefault("partner", local_name("view", len(tensors) - 1, "partner"))
-    stochastic = program.storage == _STOCHASTIC
+    stochastic = param_rounding(program.storage) == "stochastic"
     kernel = KernelParts(lowering, tuple(program.targets), tensors, storage, partner_dtype, stochastic)
     if stochastic:  # (its scalars: the step's key)
         lowering.scalar("sr_hi")
@@ -162,7 +161,7 @@ def _stored(program, stored) -> dict:
         raise ValueError("stored dtypes are for a program stored widened (Program.storage)")
     rows = (*program.tensors, "partner")
     bad = {t: d for t, d in storage.items() if d not in LOW_PRECISION or t not in rows}
-    if bad or (program.storage == _STOCHASTIC and storage.get("param") != "bfloat16"):
+    if bad or (param_rounding(program.storage) == "stochastic" and storage.get("param") != "bfloat16"):
         raise ValueError(f"stored {stored!r}: bfloat16 or float16 tensors of the program (a bfloat16 param)")
     return storage
 

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from ... import threads
+from ...tensors import LOW_PRECISION
 from .. import pairing_of, segments
 from ..formulas import lerp_variant, lerp_weights, scalar_env
-from ..low_precision import LOW_PRECISION, rounding
+from ..low_precision import rounding
 from .config import PARALLEL_MIN_NUMEL, import_numba
 from .kernels import NumbaKernel, compile_kernel, keep_torch_threads, sqrt_kind
 from .layout import AddressTable

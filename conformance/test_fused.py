@@ -18,7 +18,7 @@ in the 16-bit kernels' remainder (``WidenedFused``), which a test holds equal to
 
 Every element bit for bit, the kernels' scalar remainder included (the last ``numel % 8``
 float32 elements, ``numel % 16`` 16-bit ones, which contract a multiply-add otherwise: the
-spec's ``remainder`` option, its step measured by ``fused_kernels.remainder_step``).
+spec's ``in_remainder``, its step measured by ``fused_kernels.remainder_step``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 spec's arithmetic.
 
 * The *remainder*: each kernel steps a parameter in vector loops and its last elements in a
-  scalar loop, which the compiler contracts otherwise (the spec's ``remainder`` option: SGD's
+  scalar loop, which the compiler contracts otherwise (the spec's ``in_remainder``: SGD's
   buffer and Adam's ``exp_avg_sq`` as ``fma(state, beta, the other product)``). The scalar loop
   takes the last ``numel % step`` elements, ``step`` a choice of the compiler that built torch
   (float32: 8, 16-bit: 16 on torch 2.13 and 2.14's AVX-512 and AVX2 kernels): measured at first

@@ -1,12 +1,15 @@
 """Every backend (the fast one with each engine) runs a program to the same result as torch's
 ops, and every spec program alike; scalars apply as float32."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
+from roundpipe.optim import backends
 from roundpipe.optim.backends import fast, numexpr_engine
-from roundpipe.optim.spec import SPECS
+from roundpipe.optim.spec import SPECS, ir
 from roundpipe.optim.spec.ir import FUNCTIONS, Call, ProgramBuilder, walk
 from tests._util import OPTIMIZER_NAMES, all_programs
 
@@ -26,8 +29,33 @@ def test_program_uses_every_function():
     prog = every_function_program()
     used = {n.fn for st in prog.statements for n in walk(st.expr) if isinstance(n, Call)}
     # dequantize reads an 8-bit state, which only the 8-bit family's blockwise passes have
-    # (tests/eightbit, conformance/test_eightbit.py)
-    assert used == set(FUNCTIONS) - {"dequantize"}, "add the missing functions to every_function_program"
+    # (tests/eightbit, conformance/test_eightbit.py); remainder depends on each element's
+    # position in its tensor (test_remainder_takes_its_tail_in_each_tensors_last_elements)
+    left = {"dequantize", "remainder"}
+    assert used == set(FUNCTIONS) - left, "add the missing functions to every_function_program"
+
+
+@pytest.mark.parametrize("engine_name", ["numba", "numexpr", "torch"])
+def test_remainder_takes_its_tail_in_each_tensors_last_elements(monkeypatch, engine_name):
+    """``in_remainder(body, tail)`` under ``with_remainder(program, 8)``: ``tail`` in each
+    tensor's last ``numel % 8`` elements, ``body`` elsewhere, on every engine (a fused kernel's
+    scalar remainder, ``fused_kernels``); without a step, ``body`` everywhere."""
+    monkeypatch.setenv(fast.ENGINE_ENV_VAR, engine_name)
+    b = ProgramBuilder(["param", "grad"])
+    param, grad = b.tensor("param"), b.tensor("grad")
+    b.assign(param, ir.in_remainder(param + grad, param - grad))
+    program = b.build()
+    sizes = (0, 1, 7, 8, 9, 17, 70001)
+    for step, backend in itertools.product((0, 8), ("reference", "fast")):
+        params = [torch.zeros(n) for n in sizes]
+        grads = [torch.ones(n) for n in sizes]
+        prog = ir.with_remainder(program, step) if step else program
+        backends.get(backend).run(prog, {}, {"param": params, "grad": grads})
+        for p in params:
+            want = torch.ones(p.numel())
+            if step:
+                want[p.numel() - p.numel() % step :] = -1
+            assert torch.equal(p, want), (backend, engine_name, step, p.numel())
 
 
 @pytest.mark.parametrize("w", [0.1, 0.9], ids=["lerp-small", "lerp-large"])

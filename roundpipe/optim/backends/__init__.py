@@ -150,6 +150,37 @@ def composed(prepare, program, scalars, columns, cache):
     return run
 
 
+def cut_at_remainder(prepare, program, scalars, columns, cache):
+    """``prepare``'s launch of ``program``, whose ``remainder`` calls (a fused kernel's scalar
+    remainder: ``ir.in_remainder``) are cut apart for an engine that runs whole tensors: the
+    program with their bodies on each tensor's elements before its last ``numel %
+    remainder_step``, then with their tails on those (zero-copy 1-D views)."""
+    from ..spec.ir import has_remainder, resolved
+
+    step = program.remainder_step
+    if not step:
+        plain = resolved(program, False) if has_remainder(program) else program
+        return prepare(plain, scalars, columns, cache)
+
+    def part(t, tail):
+        flat = t.view(-1)
+        at = flat.numel() - flat.numel() % step
+        return flat[at:] if tail else flat[:at]
+
+    launches = []
+    for tail in (False, True):
+        cols = {n: Checked(part(t, tail) for t in col) for n, col in columns.items()}
+        launches.append(
+            prepare(resolved(program, tail), scalars, cols, cache.setdefault(("remainder", tail), {}))
+        )
+
+    def run():
+        for one in launches:
+            one()
+
+    return run
+
+
 def segments(scalars, n: int):
     """``run``'s ``scalars`` as a list of ``(scalars, start, stop)`` over ``n`` parameters."""
     if isinstance(scalars, dict):

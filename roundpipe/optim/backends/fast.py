@@ -43,7 +43,7 @@ from .. import threads
 from ..backend_api import Backend
 from ..spec.ir import Call, walk
 from ..tensors import LOW_PRECISION, contiguous_run
-from . import CompileCache, composed, numba_engine, segments, torch_engine
+from . import CompileCache, composed, cut_at_remainder, numba_engine, segments, torch_engine
 from .formulas import lerp_variant, lerp_weights, scalar_env
 from .numba_engine import blockwise as numba_blockwise
 from .numba_engine import staged as numba_staged
@@ -270,7 +270,7 @@ class FastBackend(Backend):
                         self._fall_back(program, err.__cause__ or err, "cannot compile a kernel")
             engine = FALLBACK_ENGINE
         return composed(
-            lambda *a: self._prepare_batched(engine, *a),
+            lambda *a: cut_at_remainder(lambda *b: self._prepare_batched(engine, *b), *a),
             program,
             scalars,
             columns,

@@ -108,6 +108,8 @@ class Lowering:
     def __init__(self, program, variant: tuple, fused=frozenset(), low=None):
         self.lerp_small = dict(zip(lerp_weights(program), variant, strict=True))
         self.low = low
+        # a fused program's remainder (``ir.in_remainder``): selected on the item's tail flag
+        self.remainder_step = getattr(program, "remainder_step", 0)
         self.fused = frozenset(fused) if low is None else low.fused
         self.scalars: list[str] = []  # scalar variables used, in order
         self.consts: dict[str, float] = {}  # constant variable -> value
@@ -197,6 +199,13 @@ class Lowering:
         return self.fmt("({} {} {})", a, e.op, b)
 
     # -- torch's float32 formulas, in torch's rounding order ---------------------------------
+    def fn_remainder(self, body, tail):
+        if not self.remainder_step:
+            return self(body)
+        if self.low is not None:  # (its items' tail flags are torch's for-loop tails)
+            raise ValueError("a fused kernel's remainder in a program rounded to 16 bits op by op")
+        return self.select(self.in_tail(), self(tail), self(body))
+
     def fn_neg(self, x):
         return self.fmt("(-{})", self(x))
 

@@ -18,7 +18,7 @@ from ..backend_api import Backend
 from ..spec.core import GRAD_FACTOR, factors_of
 from ..spec.ir import Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor, param_rounding
 from ..storage import param_key, stochastic_round_
-from . import composed, segments
+from . import composed, cut_at_remainder, segments
 from .torch_ops import BINARY, FUNCTIONS, norm, quantize_
 
 logger = logging.getLogger("roundpipe.optim")
@@ -129,7 +129,8 @@ class ReferenceBackend(Backend):
     def prepare(self, program, scalars, columns, cache=None):
         """The launch of ``program`` on every parameter of ``columns`` (see ``backends``), one by
         one; partners (``masters.py``) by their defining composition."""
-        return composed(self._prepare, program, scalars, columns, {} if cache is None else cache)
+        cache = {} if cache is None else cache
+        return composed(lambda *a: cut_at_remainder(self._prepare, *a), program, scalars, columns, cache)
 
     def prepare_staged(self, program, scalars, tensors, cache=None):
         return functools.partial(run_staged, program, scalars, tensors)

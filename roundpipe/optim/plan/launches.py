@@ -20,7 +20,7 @@ import torch
 from .. import fused_kernels
 from ..backend_api import Backend
 from ..spec.core import Scratch
-from ..spec.ir import StepMode, stored
+from ..spec.ir import StepMode, has_remainder, resolved, stored, with_remainder
 from ..storage import step_scalars
 from ..tensors import LOW_PRECISION, Checked
 from .state import rollback
@@ -164,73 +164,34 @@ def _schedule(opt, plan, grads, factors):
             if factors:
                 flags, values = _with_factors(factors, unit, flags, values)
             writeback.append((unit, scratch))
-            memo = plan.programs.get(unit)  # the unit's last flags, their program and remainder
+            memo = plan.programs.get(unit)  # the unit's last flags and their program
             if memo is not None and memo[0] == flags:
-                program, remainder = memo[1], memo[2]
+                program = memo[1]
             else:
                 program = spec.program({**gp.options, **flags})
-                remainder = _remainder(spec, gp, unit, flags, program)
+                if has_remainder(program):  # (a fused group's: its remainder's step, measured)
+                    step = fused_kernels.remainder_step(unit.dtype)
+                    program = resolved(program, False) if step is None else with_remainder(program, step)
                 if unit.storage:
                     program = stored(program, unit.storage)
-                plan.programs[unit] = (flags, program, remainder)
+                plan.programs[unit] = (flags, program)
             grad_col = gp.grad_columns(group_grads, unit)
             # (a bfloat16 unit's program equals a float32 one's, but its launch rounds otherwise)
-            key = (program, remainder, unit.pairing, unit.dtype, unit.state_dtypes)
+            key = (program, unit.pairing, unit.dtype, unit.state_dtypes)
             by_program.setdefault(key, []).append((gp, unit, values, grad_col))
-    launches = []
-    for (program, remainder, pairing, *_), parts in by_program.items():
-        if remainder is None:
-            launches.append(_launch(plan, program, pairing, parts))
-        else:  # each tensor's last ``numel % step`` elements apart, as torch's fused kernel
-            step = remainder[1]
-            launches.append(_launch(plan, program, pairing, parts, _Cut(step, False)))
-            launches.append(_launch(plan, remainder[0], pairing, parts, _Cut(step, True)))
+    launches = [_launch(plan, key[0], key[1], parts) for key, parts in by_program.items()]
     return writeback, launches
 
 
-def _remainder(spec, gp, unit, flags, program):
-    """``(program, step)`` of a fused unit whose kernel's scalar remainder computes otherwise
-    (the spec's ``remainder`` option; ``fused_kernels``): it runs on each tensor's last ``numel
-    % step`` elements. None where it computes as the body, or where no step was measured."""
-    if not gp.options.get("fused"):
-        return None
-    other = spec.program({**gp.options, **flags, "remainder": True})
-    step = fused_kernels.remainder_step(unit.dtype)
-    if other == program or step is None:
-        return None
-    return (stored(other, unit.storage) if unit.storage else other), step
-
-
-class _Cut:
-    """The part of each tensor a launch runs on: its elements before its last ``numel % step``,
-    or those (``tail``): zero-copy 1-D views."""
-
-    __slots__ = ("step", "tail")
-
-    def __init__(self, step: int, tail: bool):
-        self.step, self.tail = step, tail
-
-    def __call__(self, t):
-        flat = t.view(-1)
-        at = flat.numel() - flat.numel() % self.step
-        return flat[at:] if self.tail else flat[:at]
-
-    def key(self):
-        return (self.step, self.tail)
-
-
-def _launch(plan, program, pairing, parts, cut=None):
+def _launch(plan, program, pairing, parts):
     """The launch of ``program`` over the units of ``parts`` (``(group plan, unit, scalars,
-    gradient column)`` each), or over the ``cut`` of each of their tensors; its static columns
-    and backend cache kept in the plan."""
-    key = (program, cut and cut.key(), *[id(unit) for _, unit, _, _ in parts])
+    gradient column)`` each); its static columns and backend cache kept in the plan."""
+    key = (program, *[id(unit) for _, unit, _, _ in parts])
     hit = plan.launch_caches.get(key)
     if hit is None:
         names = (*program.tensors, "partner") if pairing[1] is not None else program.tensors
         static = {
-            n: Checked(t if cut is None else cut(t) for _, unit, _, _ in parts for t in unit.columns[n])
-            for n in names
-            if n != "grad"
+            n: Checked(t for _, unit, _, _ in parts for t in unit.columns[n]) for n in names if n != "grad"
         }
         if program.storage == StepMode.STOCHASTIC:  # each parameter's id (ints, not tensors)
             static["sr_ids"] = tuple(i for _, unit, _, _ in parts for i in unit.columns["sr_ids"])
@@ -238,17 +199,12 @@ def _launch(plan, program, pairing, parts, cut=None):
     static, cache = hit
     columns = dict(static)
     if "grad" in program.tensors:
-        if cut is not None:
-            columns["grad"] = Checked(cut(t) for *_, col in parts for t in col)
-        else:
-            columns["grad"] = parts[0][3] if len(parts) == 1 else Checked(t for *_, col in parts for t in col)
+        columns["grad"] = parts[0][3] if len(parts) == 1 else Checked(t for *_, col in parts for t in col)
     if len(parts) == 1:
         scalars = parts[0][2]
     else:
         scalars = [(values, len(unit.positions)) for _, unit, values, _ in parts]
-    # (a cut launch is not replayed: a replay rebinds whole gradients)
-    sole = len(parts) == 1 and "grad" in program.tensors and cut is None
-    sole_unit = (parts[0][0], parts[0][1]) if sole else None
+    sole_unit = (parts[0][0], parts[0][1]) if len(parts) == 1 and "grad" in program.tensors else None
     return _Launch(program, scalars, columns, cache, sole_unit)
 
 

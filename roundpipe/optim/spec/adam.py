@@ -6,8 +6,8 @@ contracted as torch's ops contract them (``lerp``, ``addcmul``, ``add`` with an 
 the root: ``Vec::sqrt``, correctly rounded (``sqrt_rn``), where ``torch.sqrt`` of float32 runs
 MKL's routine, and ``bias_correction2_sqrt`` is ``std::sqrt`` rather than ``** 0.5``
 (conformance/test_fused.py holds it against the kernel); in its scalar remainder
-(``remainder``, ``fused_kernels.py``) ``exp_avg_sq`` is ``fma(exp_avg_sq, beta2, (1 - beta2) *
-grad * grad)``. On a bfloat16 or float16 parameter
+(``in_remainder``, ``fused_kernels.py``) ``exp_avg_sq`` is ``fma(exp_avg_sq, beta2, (1 - beta2)
+* grad * grad)``. On a bfloat16 or float16 parameter
 it is that float32 arithmetic on the widened tensors, each stored tensor rounded once: the step
 runs widened (``plan``).
 
@@ -111,7 +111,7 @@ def inputs(o):
 def statements(o, b):
     s, param = b.s, b.tensor("param")
     grad = shared.gradient(o, b)
-    exp_avg, exp_avg_sq = shared.adam_moments(b, grad, remainder=o.get("remainder"))
+    exp_avg, exp_avg_sq = shared.adam_moments(b, grad, fused=o.get("fused"))
     second_moment = exp_avg_sq
     if o.amsgrad:
         second_moment = b.assign(b.tensor("max_exp_avg_sq"), maximum(b.tensor("max_exp_avg_sq"), exp_avg_sq))

@@ -64,6 +64,10 @@ __all__ = [
     "WIDENED",
     "param_rounding",
     "stored",
+    "in_remainder",
+    "has_remainder",
+    "with_remainder",
+    "resolved",
     "add",
     "addcmul",
     "addcdiv",
@@ -194,6 +198,9 @@ FUNCTIONS = {
     "addcdiv": 4,  # torch.addcdiv(a, b, c, value=s) = a + s*b/c
     "lerp": 3,  # torch.lerp(a, b, w), w a scalar: torch's two-branch formula
     "dequantize": 3,  # codebook[codes] * absmax of the element's block (codebooks.py)
+    # torch's fused kernels: the second argument in each tensor's last numel %
+    # Program.remainder_step elements (their scalar remainder), the first elsewhere
+    "remainder": 2,
 }
 SCALAR_ARGS = {
     "clamp": (1, 2),
@@ -274,6 +281,13 @@ def abs_(x) -> Expr:
 def sign(x) -> Expr:
     """``torch.sign(x)``: -1, 0 or 1; NaN gives 0 (as torch's CPU kernel does)."""
     return Call("sign", (_wrap(x),))
+
+
+def in_remainder(body, tail) -> Expr:
+    """What a fused kernel computes in its vector loops (``body``) and in its scalar remainder
+    (``tail``), which contracts otherwise: the last ``numel % step`` elements of each tensor,
+    ``step`` the program's ``remainder_step`` (``with_remainder``; 0: ``body`` everywhere)."""
+    return Call("remainder", (_wrap(body), _wrap(tail)))
 
 
 def dequantize(codes, blocks, codebook) -> Expr:
@@ -399,6 +413,8 @@ class Program:
     kinds: tuple = ()  # (input, kind) of its inputs of a kind: broadcast or quantized
     # how its tensors are read and stored (``stored``): TORCH, WIDENED or STOCHASTIC
     storage: StepMode = StepMode.TORCH
+    # its ``remainder`` calls' step (``with_remainder``); 0: they take their body everywhere
+    remainder_step: int = 0
 
     @property
     def blockwise(self) -> bool:
@@ -439,6 +455,39 @@ def stored(program: Program, storage: StepMode) -> Program:
         raise ValueError(f"storage {storage!r} of a program stored as {program.storage!r}")
     scalars = program.scalars + (STOCHASTIC_SCALARS if storage == STOCHASTIC else ())
     return dataclasses.replace(program, scalars=scalars, storage=storage)
+
+
+@functools.lru_cache(maxsize=1024)
+def has_remainder(program: Program) -> bool:
+    """Whether ``program`` computes otherwise in a fused kernel's scalar remainder."""
+    return any(
+        isinstance(n, Call) and n.fn == "remainder" for st in program.statements for n in walk(st.expr)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def with_remainder(program: Program, step: int) -> Program:
+    """``program`` whose ``remainder`` calls take their tail in each tensor's last ``numel %
+    step`` elements (``fused_kernels.remainder_step``)."""
+    return dataclasses.replace(program, remainder_step=step)
+
+
+@functools.lru_cache(maxsize=1024)
+def resolved(program: Program, tail: bool) -> Program:
+    """``program`` with each ``remainder`` call replaced by its body (or its ``tail``): what it
+    computes before each tensor's remainder (or in it), for engines that cut tensors there."""
+
+    def one(e):
+        if isinstance(e, Bin):
+            return Bin(e.op, one(e.a), one(e.b))
+        if isinstance(e, Call):
+            if e.fn == "remainder":
+                return one(e.args[1 if tail else 0])
+            return Call(e.fn, tuple(one(a) for a in e.args))
+        return e
+
+    statements = tuple(dataclasses.replace(st, expr=one(st.expr)) for st in program.statements)
+    return dataclasses.replace(program, statements=statements, remainder_step=0)
 
 
 def format_expr(e: Expr) -> str:

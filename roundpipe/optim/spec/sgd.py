@@ -4,7 +4,7 @@
 The fused kernel's float32 arithmetic is the for-loop's, contracted as torch's ops contract
 (``grad + param * weight_decay``, ``buf * momentum + grad * (1 - dampening)`` around the second
 product, ``param - grad * lr``): one program serves both, but in the kernel's scalar remainder
-(``remainder``, ``fused_kernels.py``), which contracts the buffer's around the first. On a
+(``in_remainder``, ``fused_kernels.py``), which contracts the buffer's around the first. On a
 bfloat16 or float16 parameter it is that arithmetic on the widened tensors, each stored tensor
 rounded once (torch >= 2.14; 2.13's 16-bit kernel is wrong, pytorch#191763, and is not
 followed). torch's fused step raises a
@@ -20,7 +20,7 @@ selects that program for the step.
 import torch
 
 from .core import OptimizerSpec, to_scalar, zeros_like
-from .ir import add
+from .ir import add, in_remainder
 from .shared import add_on_complex, gradient
 
 
@@ -68,10 +68,11 @@ def statements(o, b):
         buf = b.tensor("momentum_buffer")
         if o.first:
             b.assign(buf, grad)
-        elif o.get("remainder"):  # the fused kernel's scalar remainder: fma(buf, momentum, ...)
-            b.assign(buf, add(grad * s.one_minus_dampening, buf, s.momentum))
         else:
-            b.assign(buf, add_on_complex(o, buf * s.momentum, grad, s.one_minus_dampening))
+            new = add_on_complex(o, buf * s.momentum, grad, s.one_minus_dampening)
+            if o.get("fused"):  # its scalar remainder: fma(buf, momentum, grad * (1 - dampening))
+                new = in_remainder(new, add(grad * s.one_minus_dampening, buf, s.momentum))
+            b.assign(buf, new)
         if o.nesterov:
             grad = b.let("grad", add_on_complex(o, grad, buf, s.momentum))
         else:

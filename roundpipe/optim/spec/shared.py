@@ -19,7 +19,7 @@ RMSprop).
 import torch
 
 from .core import to_scalar, zeros_like
-from .ir import add, addcmul, lerp
+from .ir import add, addcmul, in_remainder, lerp
 
 
 def moment_state(p, state):
@@ -95,15 +95,15 @@ def weight_decay_scalars(group, lr):
     return {"weight_decay": weight_decay, "weight_decay_factor": 1 - lr * weight_decay}
 
 
-def adam_moments(b, grad, remainder=False):
-    """``remainder``: as torch's fused kernel's scalar remainder computes them (``fused_kernels``),
-    which contracts ``exp_avg_sq``'s multiply-add around the state's product."""
+def adam_moments(b, grad, fused=False):
+    """``fused``: as torch's fused kernel computes them, whose scalar remainder contracts
+    ``exp_avg_sq``'s multiply-add around the state's product (``in_remainder``)."""
     exp_avg, exp_avg_sq = b.tensor("exp_avg"), b.tensor("exp_avg_sq")
     b.assign(exp_avg, lerp(exp_avg, grad, b.s.one_minus_beta1))
-    if remainder:
-        b.assign(exp_avg_sq, add(b.s.one_minus_beta2 * grad * grad, exp_avg_sq, b.s.beta2))
-    else:
-        b.assign(exp_avg_sq, addcmul(exp_avg_sq * b.s.beta2, grad, grad, value=b.s.one_minus_beta2))
+    second = addcmul(exp_avg_sq * b.s.beta2, grad, grad, value=b.s.one_minus_beta2)
+    if fused:
+        second = in_remainder(second, add(b.s.one_minus_beta2 * grad * grad, exp_avg_sq, b.s.beta2))
+    b.assign(exp_avg_sq, second)
     return exp_avg, exp_avg_sq
 
 

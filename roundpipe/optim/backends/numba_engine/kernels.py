@@ -53,8 +53,13 @@ class NumbaKernel:
     low: object = None  # the low_precision.Rounding of a bfloat16 or float16 program
 
     def tails(self, torch_threads: int):
-        """``layout.partition``'s ``tails`` for a launch of this kernel (None: no tail flag)."""
-        return (torch_threads, self.low.step) if self.source.tails else None
+        """``layout.partition``'s ``tails`` for a launch of this kernel (None: no tail flag):
+        torch's for-loop tails, or a fused program's remainders (one span a tensor)."""
+        if not self.source.tails:
+            return None
+        if self.program.remainder_step:
+            return (1, self.program.remainder_step)
+        return (torch_threads, self.low.step)
 
     def row_layout(self, weights) -> tuple:
         """``(names, complements)``: where each scalar of a row of ``scalar_rows`` comes from,

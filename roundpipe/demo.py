@@ -4,6 +4,7 @@
                              [--optimizer AdamW|Adafactor|AdamW8bit] [--small]
                              [--mixed float16|bfloat16 [--compute auto|16-bit|float32]]
                              [--state-dtype bfloat16 | --dtype bfloat16 [--stochastic-rounding]]
+                             [--fused [--dtype bfloat16]]
 
 Identical copies of one model (``build_model``: token and position embeddings, pre-LayerNorm
 transformer blocks with separate q/k/v/o projections, an untied output head: about 29M
@@ -43,7 +44,8 @@ is bitsandbytes' bit for bit (``demo_eightbit.py``; 10 steps by default).
 
 ``--state-dtype bfloat16`` trains the float32 model with AdamW's moments stored in bfloat16, and
 ``--dtype bfloat16 [--stochastic-rounding]`` a pure bfloat16 model, each beside float32 AdamW
-(``demo_stored.py``).
+(``demo_stored.py``). ``--fused [--dtype bfloat16]``: ``AdamW(fused=True)`` against torch's, on
+the float32 or a pure bfloat16 model, bit for bit every step (``demo_fused.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roundpipe import demo_eightbit, demo_mixed, demo_stored
+from roundpipe import demo_eightbit, demo_fused, demo_mixed, demo_stored
 from roundpipe import optim as rp_optim
 from roundpipe.demo_common import max_abs_diff, table, train_rotating
 from roundpipe.optim import backends as rp_backends
@@ -266,6 +268,12 @@ def parse_args(argv=None):
         "beside float32 AdamW on a float32 copy (roundpipe/demo_stored.py)",
     )
     parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="instead: AdamW(fused=True) against torch's AdamW(fused=True), on the float32 model or with "
+        "--dtype bfloat16 a pure bfloat16 one (torchtune's layout), bit for bit every step (demo_fused.py)",
+    )
+    parser.add_argument(
         "--stochastic-rounding",
         action="store_true",
         help="with --dtype: also a copy whose parameters are rounded stochastically "
@@ -285,6 +293,10 @@ def parse_args(argv=None):
         parser.error("--mixed, --state-dtype and --dtype are different demos: pick one")
     if args.stochastic_rounding and not args.dtype:
         parser.error("--stochastic-rounding applies to --dtype bfloat16 only")
+    if args.fused and (
+        args.mixed or args.state_dtype or args.stochastic_rounding or args.optimizer != "AdamW"
+    ):
+        parser.error("--fused trains AdamW(fused=True), alone or with --dtype bfloat16")
     if stored and args.optimizer != "AdamW":
         parser.error("--state-dtype and --dtype train with AdamW: drop --optimizer")
     args.compute = args.compute or "auto"
@@ -311,6 +323,8 @@ def main(argv=None) -> int:
     model = build_model(size)
     if args.mixed:
         return demo_mixed.run(args, model, data, gen, HYPER, batch, args.backend)
+    if args.fused:
+        return demo_fused.run(args, model, data, gen, HYPER, batch, args.backend)
     if args.state_dtype or args.dtype:
         return demo_stored.run(args, model, data, gen, HYPER, batch, args.backend)
     sizes = sorted(p.numel() for p in model.parameters())

@@ -456,3 +456,51 @@ def test_fused_state_dict_both_ways_with_torchs_fused_optimizer():
     for first, second in ((torch.optim.AdamW, ro.AdamW), (ro.AdamW, torch.optim.AdamW)):
         for a, b in zip(run(first, second), want, strict=True):
             _compare(a, b, torch.float32, f"{first.__module__} -> {second.__module__}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_fused_with_fp32_masters_is_the_composition_with_torchs_fused_step(dtype):
+    """fp32 masters paired with 16-bit partners (``pair``): a fused step reads the partner's
+    gradient widened and rounds the master back into the partner, as torch's fused AdamW on the
+    master with ``master.grad = partner.grad.float()`` and a ``copy_`` back; it writes no
+    gradient (torch's kernel writes one only under a GradScaler, which raises here)."""
+    g = torch.Generator().manual_seed(4)
+    start = [torch.randn(n, generator=g).to(dtype) for n in (70001, 17)]
+    partners = [torch.nn.Parameter(s.clone()) for s in start]
+    masters = [torch.nn.Parameter(s.float()) for s in start]
+    for m, q in zip(masters, partners, strict=True):
+        ro.pair(m, q)
+    ours = ro.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    ref_params = [torch.nn.Parameter(s.float()) for s in start]
+    theirs = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(4):
+        grads = [torch.randn(s.shape, generator=g).to(dtype) for s in start]
+        for q, r, gr in zip(partners, ref_params, grads, strict=True):
+            q.grad, r.grad = gr.clone(), gr.float()
+        ours.step()
+        theirs.step()
+        for m, q, r in zip(masters, partners, ref_params, strict=True):
+            _compare(m, r, torch.float32, f"step {step} master")
+            _compare(q, r.detach().to(dtype), dtype, f"step {step} partner")
+            assert m.grad is None
+            _compare(ours.state[m]["exp_avg_sq"], theirs.state[r]["exp_avg_sq"], torch.float32, "exp_avg_sq")
+
+
+def test_fused_under_torch_compile_and_a_scheduler_is_torchs():
+    """``torch.compile`` around the step (roundpipe's step runs eagerly inside it: a graph break)
+    and a scheduler changing lr: torch's compiled fused AdamW, bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    start, grads = torch.randn(70001, generator=g), [torch.randn(70001, generator=g) for _ in range(4)]
+    results = []
+    for mod in (torch.optim, ro):
+        p = torch.nn.Parameter(start.clone())
+        opt = mod.AdamW([p], lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+        step = torch.compile(opt.step)
+        for gr in grads:
+            p.grad = gr.clone()
+            step()
+            sched.step()
+        results.append((p.detach(), opt.state[p]["exp_avg_sq"]))
+    for a, b in zip(*results, strict=True):
+        _compare(b, a, torch.float32, "compiled step with a scheduler")

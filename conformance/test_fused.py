@@ -249,6 +249,40 @@ def test_fused_at_three_threads_and_mixed_groups(name, kwargs, dtype, backend):
     _run(name, kwargs, dtype, backend, threads=3, mixed=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("AdamW", dict(weight_decay=0.1, amsgrad=True)),
+        ("Adam", dict(maximize=True)),
+        ("SGD", dict(momentum=0.9, nesterov=True, weight_decay=0.1)),
+        ("Adagrad", dict(lr_decay=0.01, weight_decay=0.1)),
+    ],
+)
+def test_fused_over_a_million_elements_at_two_threads(name, kwargs, dtype):
+    """1,000,003 elements (torch's kernel cuts them across its threads; its remainder is the
+    tensor's last), beside a 17-element one, 5 steps at 2 torch threads, the default engine."""
+    kwargs = {"lr": 1e-2, **kwargs}
+    g = torch.Generator().manual_seed(8)
+    start = [torch.randn(n, generator=g).to(dtype) for n in (1_000_003, 17)]
+    theirs = [torch.nn.Parameter(s.clone()) for s in start]
+    ours = [torch.nn.Parameter(s.clone()) for s in start]
+    t_opt = _theirs(name, dtype, [dict(params=theirs, fused=True)], kwargs)
+    r_opt = getattr(ro, name)(ours, fused=True, **kwargs)
+    with torch_threads(2):
+        for step in range(5):
+            for p, q in zip(theirs, ours, strict=True):
+                gr = torch.randn(p.shape, generator=g).to(dtype)
+                p.grad, q.grad = gr.clone(), gr.clone()
+            t_opt.step()
+            r_opt.step()
+            for i, (p, q) in enumerate(zip(theirs, ours, strict=True)):
+                at = f"{name} {dtype} step {step} param {i}"
+                _compare(q, p, dtype, f"{at} value")
+                for key, v in t_opt.state[p].items():
+                    _compare(r_opt.state[q][key], v, v.dtype, f"{at} {key}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "Adagrad"])
 def test_16bit_fused_kernels_are_the_float32_kernel_widened_where_right(name, dtype):

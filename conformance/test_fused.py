@@ -95,18 +95,14 @@ def _params(dtype):
     return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in SHAPES]
 
 
-def _known_wrong(name: str, dtype) -> bool:
-    return fused_kernels.known_wrong(name, dtype)
-
-
 class WidenedFused:
     """torch's float32 fused optimizer stepping widened copies of 16-bit parameters, each stored
     tensor (parameter, state) rounded back to the parameter's dtype once a step: what a 16-bit
-    fused kernel computes from torch 2.14 on. Its scalar remainder is the last ``numel % 16``
-    elements (``fused_kernels.remainder_step``), the float32 kernel's ``numel % 8``: each
-    parameter is stepped in pieces, the elements before its remainder (a multiple of 16, all in
-    the float32 kernel's vector loop) and its remainder in pieces of at most 7 (all in the float32
-    kernel's scalar loop). ``state`` is keyed by the 16-bit parameters."""
+    fused kernel computes from torch 2.14 on. The 16-bit kernel's scalar remainder is longer than
+    the float32 kernel's (``fused_kernels.remainder_step`` of each): each parameter is stepped in
+    pieces, the elements before its 16-bit remainder (a multiple of the 16-bit step, all in the
+    float32 kernel's vector loops) and that remainder in pieces shorter than the float32 step
+    (all in the float32 kernel's scalar loop). ``state`` is keyed by the 16-bit parameters."""
 
     def __init__(self, cls, groups, **kwargs):
         self.pieces = {}  # 16-bit parameter -> its float32 pieces
@@ -125,8 +121,9 @@ class WidenedFused:
         flat = p.detach().float().reshape(-1)
         n = flat.numel()
         body = n - n % fused_kernels.remainder_step(p.dtype)
+        short = fused_kernels.remainder_step(torch.float32) - 1
         spans = [(0, body)] if body or not n else []
-        spans += [(a, min(a + 7, n)) for a in range(body, n, 7)]
+        spans += [(a, min(a + short, n)) for a in range(body, n, short)]
         return [flat[a:b].clone().requires_grad_() for a, b in spans]
 
     def _round(self):
@@ -186,7 +183,7 @@ def _theirs(name, dtype, groups, kwargs):
     """The ground truth: torch's optimizer, with its fused groups ``WidenedFused`` where this
     torch's 16-bit kernel is ``KNOWN_WRONG``."""
     cls = getattr(torch.optim, name)
-    if not _known_wrong(name, dtype):
+    if not fused_kernels.known_wrong(name, dtype):
         return cls(groups, **kwargs)
     fused = [g for g in groups if g.get("fused")]
     loop = [g for g in groups if not g.get("fused")]
@@ -313,7 +310,7 @@ def test_16bit_fused_kernels_are_the_float32_kernel_widened_where_right(name, dt
             differ |= any(
                 bits_mismatch(a.reshape(-1), b.reshape(-1), nan_bits=True) is not None for a, b in tensors
             )
-    assert differ == _known_wrong(name, dtype), (
+    assert differ == fused_kernels.known_wrong(name, dtype), (
         f"torch {torch.__version__}'s 16-bit fused {name} "
         + ("differs from" if differ else "equals")
         + " its float32 kernel widened: KNOWN_WRONG needs updating"
@@ -424,17 +421,21 @@ def test_fused_under_grad_scaler_without_unscale_is_torchs(name, kwargs):
                 _compare(a, b, a.dtype, f"{name} iteration {it} {key}")
 
 
+@pytest.mark.parametrize("inf", [False, True], ids=["finite", "inf"])
 @pytest.mark.parametrize("case", ["bfloat16", "mixed groups", "pending clip"])
-def test_fused_under_grad_scaler_without_unscale_refuses_what_it_does_not_model(case):
+def test_fused_under_grad_scaler_without_unscale_refuses_what_it_does_not_model(case, inf):
     """What the fused protocol would step otherwise than torch raises before anything moves:
     a 16-bit gradient (the kernel steps its unrounded float32 quotient), a group that is not
-    fused (torch's for-loop asserts), a clip recorded before the step."""
+    fused (torch's for-loop asserts), a clip recorded before the step; on a step an inf skips
+    too (torch's for-loop group asserts there as well)."""
     dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
     params = [torch.nn.Parameter(torch.randn(40).to(dtype)) for _ in range(2)]
     groups = [dict(params=params[:1]), dict(params=params[1:], fused=case != "mixed groups")]
     opt = ro.AdamW(groups, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(sum(p.float().square().sum() for p in params)).backward()
+    if inf:
+        params[0].grad.view(-1)[3] = float("inf")
     if case == "pending clip":
         ro.clip_grad_norm_(opt, 1.0)
     before = [(p.detach().clone(), p.grad.clone()) for p in params]

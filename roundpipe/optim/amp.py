@@ -172,12 +172,15 @@ def begin_step(opt):
             "(roundpipe.optim.pair / fp32_masters): it would step them scaled and miss their infs. "
             "Use roundpipe.optim.GradScaler, a drop-in subclass that sees them."
         )
-    if found_inf is not None and float(found_inf) != 0:
-        return None
     factors = pending(opt)
     grad_scale = getattr(opt, "grad_scale", None)
+    fused = None
     if grad_scale is not None and any(g.get("fused") for g in opt.param_groups):
-        return _fused_unscale(opt, factors, grad_scale)
+        fused = _fused_unscale(opt, factors, grad_scale)  # (its refusals hold on a skipped step too)
+    if found_inf is not None and float(found_inf) != 0:
+        return None
+    if fused is not None:
+        return fused
     if grad_scale is not None:  # the scaler left the unscale to this step: every gradient
         factors = factors.copy()
         factors.add(_inverse(grad_scale))

@@ -5,9 +5,8 @@ spec's arithmetic.
   scalar loop, which the compiler contracts otherwise (the spec's ``in_remainder``: SGD's
   buffer and Adam's ``exp_avg_sq`` as ``fma(state, beta, the other product)``). The scalar loop
   takes the last ``numel % step`` elements, ``step`` a choice of the compiler that built torch
-  (float32: 8, 16-bit: 16 on torch 2.13 and 2.14's AVX-512 and AVX2 kernels): measured at first
-  use (``remainder_step``) on torch's fused SGD, on inputs where the two contractions differ in
-  every element.
+  (what it was where measured: docs/contract.md), so measured at first use (``remainder_step``)
+  on torch's fused SGD, on inputs where the two contractions differ in every element.
 * ``KNOWN_WRONG``: the 16-bit kernels of some torch releases, which roundpipe does not follow
   (it follows the release that fixed them, docs/contract.md).
 """
@@ -49,8 +48,8 @@ def remainder_step(dtype: torch.dtype) -> int | None:
 @functools.cache
 def _remainder_step(dtype: torch.dtype) -> int | None:
     if known_wrong("SGD", dtype):
-        # the fixed release's 16-bit kernels take twice the float32 step (2.14.1, measured on
-        # its AVX-512 and AVX2 kernels: 16 and 8)
+        # no right 16-bit kernel here to measure: the fixed release's take twice the float32
+        # step (docs/contract.md)
         step = _remainder_step(torch.float32)
         return None if step is None else 2 * step
     return _measure(dtype)

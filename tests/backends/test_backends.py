@@ -9,7 +9,7 @@ import torch
 
 from roundpipe.optim import backends
 from roundpipe.optim.backends import fast, numexpr_engine
-from roundpipe.optim.spec import SPECS, ir
+from roundpipe.optim.spec import SPECS, ir, variants
 from roundpipe.optim.spec.ir import FUNCTIONS, Call, ProgramBuilder, walk
 from tests._util import OPTIMIZER_NAMES, all_programs
 
@@ -49,7 +49,7 @@ def test_remainder_takes_its_tail_in_each_tensors_last_elements(monkeypatch, eng
     for step, backend in itertools.product((0, 8), ("reference", "fast")):
         params = [torch.zeros(n) for n in sizes]
         grads = [torch.ones(n) for n in sizes]
-        prog = ir.with_remainder(program, step) if step else program
+        prog = variants.with_remainder(program, step) if step else program
         backends.get(backend).run(prog, {}, {"param": params, "grad": grads})
         for p in params:
             want = torch.ones(p.numel())

@@ -155,7 +155,7 @@ def cut_at_remainder(prepare, program, scalars, columns, cache):
     remainder: ``ir.in_remainder``) are cut apart for an engine that runs whole tensors: the
     program with their bodies on each tensor's elements before its last ``numel %
     remainder_step``, then with their tails on those (zero-copy 1-D views)."""
-    from ..spec.ir import has_remainder, resolved
+    from ..spec.variants import has_remainder, resolved
 
     step = program.remainder_step
     if not step:

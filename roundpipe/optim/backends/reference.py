@@ -16,7 +16,8 @@ import torch
 
 from ..backend_api import Backend
 from ..spec.core import GRAD_FACTOR, factors_of
-from ..spec.ir import Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor, param_rounding
+from ..spec.ir import Assign, Bin, Call, Const, Let, Quantize, Reduce, Scalar, Tensor
+from ..spec.modes import param_rounding
 from ..storage import param_key, stochastic_round_
 from . import composed, cut_at_remainder, segments
 from .torch_ops import BINARY, FUNCTIONS, norm, quantize_
@@ -102,7 +103,7 @@ def unscaled(grad, param, scalars):
 
 
 def step_key_of(scalars) -> int:
-    """The step's key from its two 16-bit halves (``ir.STOCHASTIC_SCALARS``)."""
+    """The step's key from its two 16-bit halves (``modes.STOCHASTIC_SCALARS``)."""
     return (int(scalars["sr_hi"]) << 16) | int(scalars["sr_lo"])
 
 

@@ -18,7 +18,8 @@ import torch
 
 from .. import threads
 from ..spec.core import GRAD_FACTOR, factors_of
-from ..spec.ir import Assign, Bin, Const, Let, Scalar, Tensor, param_rounding
+from ..spec.ir import Assign, Bin, Const, Let, Scalar, Tensor
+from ..spec.modes import param_rounding
 from ..storage import param_key, stochastic_round_
 from ..tensors import LOW_PRECISION
 from .low_precision import torch_chunks

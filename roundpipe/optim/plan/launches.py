@@ -20,7 +20,8 @@ import torch
 from .. import fused_kernels
 from ..backend_api import Backend
 from ..spec.core import Scratch
-from ..spec.ir import StepMode, has_remainder, resolved, stored, with_remainder
+from ..spec.modes import StepMode
+from ..spec.variants import has_remainder, resolved, stored, with_remainder
 from ..storage import step_scalars
 from ..tensors import LOW_PRECISION, Checked
 from .state import rollback

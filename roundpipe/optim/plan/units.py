@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..spec.core import Scratch
-from ..spec.ir import StepMode
+from ..spec.modes import StepMode
 from ..tensors import contiguous_run, real
 
 # a unit's pairing (masters.py): (its gradients' dtype, its partners' dtype or None)
@@ -26,7 +26,7 @@ class Unit:
     """Parameters of one group whose 0-d state, init flags, pairing, dtype and state dtypes are
     equal: one ``scalars`` call, and one launch's worth of tensors of one dtype each (a bfloat16
     or float16 parameter's ops round to its dtype: its launch is not a float32 one's). ``storage``:
-    its program's (``ir.StepMode``): TORCH or, stepped widened (``storage.py``), WIDENED or
+    its program's (``modes.StepMode``): TORCH or, stepped widened (``storage.py``), WIDENED or
     STOCHASTIC."""
 
     # No reference back to the GroupPlan: a plan holds no reference cycle, so a replaced plan

@@ -40,10 +40,9 @@ it is built, so a typo in a spec fails the test suite, not a user's run.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import functools
 from dataclasses import dataclass
+
+from .modes import StepMode
 
 __all__ = [
     "Expr",
@@ -58,16 +57,7 @@ __all__ = [
     "Quantize",
     "Program",
     "ProgramBuilder",
-    "STOCHASTIC",
-    "STOCHASTIC_SCALARS",
-    "StepMode",
-    "WIDENED",
-    "param_rounding",
-    "stored",
     "in_remainder",
-    "has_remainder",
-    "with_remainder",
-    "resolved",
     "add",
     "addcmul",
     "addcdiv",
@@ -286,7 +276,7 @@ def sign(x) -> Expr:
 def in_remainder(body, tail) -> Expr:
     """What a fused kernel computes in its vector loops (``body``) and in its scalar remainder
     (``tail``), which contracts otherwise: the last ``numel % step`` elements of each tensor,
-    ``step`` the program's ``remainder_step`` (``with_remainder``; 0: ``body`` everywhere)."""
+    ``step`` the program's ``remainder_step`` (``variants.with_remainder``; 0: ``body`` everywhere)."""
     return Call("remainder", (_wrap(body), _wrap(tail)))
 
 
@@ -359,43 +349,6 @@ def walk(expr: Expr):
             yield from walk(a)
 
 
-class StepMode(str, enum.Enum):
-    """How a program computes and stores its tensors (``Program.storage``), the one enumeration
-    every engine dispatches on (``param_rounding``). ``fused=True`` is not a mode: its arithmetic
-    is the spec's (its options), and it steps 16-bit parameters WIDENED (``storage.FUSED``).
-
-    * TORCH: torch's own ops on each tensor's dtype (the for-loop; a 16-bit tensor's ops round
-      one by one, as ``backends.low_precision`` measures them);
-    * WIDENED: every tensor read widened to float32, every op computed in float32 (torch's
-      float32 step), every target stored rounded to its tensor's dtype, nearest even;
-    * STOCHASTIC: so, with the parameter (bfloat16) rounded stochastically from the random bits
-      of this step's key (the scalars STOCHASTIC_SCALARS), the parameter's id and the element's
-      index (``roundpipe.optim.storage``)."""
-
-    TORCH = ""
-    WIDENED = "widened"
-    STOCHASTIC = "stochastic"
-
-
-WIDENED = StepMode.WIDENED
-STOCHASTIC = StepMode.STOCHASTIC
-
-
-def param_rounding(mode) -> str:
-    """How a program in ``mode`` stores its parameter: ``"own"`` (TORCH: its ops' own rounding),
-    ``"nearest"`` or ``"stochastic"``. Every engine asks here; a mode none knows raises."""
-    if mode == StepMode.TORCH:
-        return "own"
-    if mode == StepMode.WIDENED:
-        return "nearest"
-    if mode == StepMode.STOCHASTIC:
-        return "stochastic"
-    raise ValueError(f"unknown step mode {mode!r} (spec.ir.StepMode)")
-
-
-STOCHASTIC_SCALARS = ("sr_hi", "sr_lo")  # the step's 32-bit key, as two exact 16-bit halves
-
-
 @dataclass(frozen=True)
 class Program:
     """A validated, ordered list of statements.
@@ -411,9 +364,9 @@ class Program:
     targets: tuple
     reductions: tuple = ()  # the names of its ``norm`` statements, in order
     kinds: tuple = ()  # (input, kind) of its inputs of a kind: broadcast or quantized
-    # how its tensors are read and stored (``stored``): TORCH, WIDENED or STOCHASTIC
+    # how its tensors are read and stored (``variants.stored``): a ``modes.StepMode``
     storage: StepMode = StepMode.TORCH
-    # its ``remainder`` calls' step (``with_remainder``); 0: they take their body everywhere
+    # its ``remainder`` calls' step (``variants.with_remainder``); 0: they take their body everywhere
     remainder_step: int = 0
 
     @property
@@ -445,49 +398,6 @@ class Program:
         if self.storage:
             lines.append(f"(storage: {self.storage})")
         return "\n".join(lines)
-
-
-@functools.lru_cache(maxsize=1024)
-def stored(program: Program, storage: StepMode) -> Program:
-    """``program`` with ``storage`` (WIDENED or STOCHASTIC): the same statements, another
-    program (its kernels and launches are its own)."""
-    if storage not in (StepMode.WIDENED, StepMode.STOCHASTIC) or program.storage:
-        raise ValueError(f"storage {storage!r} of a program stored as {program.storage!r}")
-    scalars = program.scalars + (STOCHASTIC_SCALARS if storage == STOCHASTIC else ())
-    return dataclasses.replace(program, scalars=scalars, storage=storage)
-
-
-@functools.lru_cache(maxsize=1024)
-def has_remainder(program: Program) -> bool:
-    """Whether ``program`` computes otherwise in a fused kernel's scalar remainder."""
-    return any(
-        isinstance(n, Call) and n.fn == "remainder" for st in program.statements for n in walk(st.expr)
-    )
-
-
-@functools.lru_cache(maxsize=1024)
-def with_remainder(program: Program, step: int) -> Program:
-    """``program`` whose ``remainder`` calls take their tail in each tensor's last ``numel %
-    step`` elements (``fused_kernels.remainder_step``)."""
-    return dataclasses.replace(program, remainder_step=step)
-
-
-@functools.lru_cache(maxsize=1024)
-def resolved(program: Program, tail: bool) -> Program:
-    """``program`` with each ``remainder`` call replaced by its body (or its ``tail``): what it
-    computes before each tensor's remainder (or in it), for engines that cut tensors there."""
-
-    def one(e):
-        if isinstance(e, Bin):
-            return Bin(e.op, one(e.a), one(e.b))
-        if isinstance(e, Call):
-            if e.fn == "remainder":
-                return one(e.args[1 if tail else 0])
-            return Call(e.fn, tuple(one(a) for a in e.args))
-        return e
-
-    statements = tuple(dataclasses.replace(st, expr=one(st.expr)) for st in program.statements)
-    return dataclasses.replace(program, statements=statements, remainder_step=0)
 
 
 def format_expr(e: Expr) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...spec.ir import param_rounding
+from ...spec.modes import param_rounding
 from .config import (
     EMULATION_INTRINSICS,
     GENERATOR_VERSION,
